@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Data: $SCOPE_DATA_DIR if set, else the shared sample beside the checkout, else ./data (`scope data fetch`).
+SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(abspath data))
+export SCOPE_DATA_DIR
+PARAMS ?= params/smoke.yaml
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev]"
+	touch $(STAMP)
+
+# Every notebook, executed with papermill under the smoke parameters -> runs/smoke/reports/ (.ipynb + .html).
+demo: $(STAMP)
+	$(BIN)/scope run $(PARAMS)
+
+# The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
+test: $(STAMP)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check scope_lib tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,132 @@
+"""`scope`: the command line.
+
+    scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
+    scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
+    scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
+    scope index build --params P [--rebuild]     build or reuse the retrieval index
+    scope serve retrieval --params P             Search-R1 compatible /retrieve server
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from scope_lib.config import ParamsError, describe_fields, load_params
+
+log = logging.getLogger("scope")
+DEFAULT_PARAMS = "params/smoke.yaml"
+
+
+def _params(args):
+    return load_params(args.params, args.override)
+
+
+def cmd_run(args) -> int:
+    from scope_lib.reports import run_notebooks
+
+    params = _params(args)  # validate before starting any kernel
+    outputs = run_notebooks(args.params, args.override, notebooks=args.notebooks, html=not args.no_html,
+                            reports_dir=params.run_dir / "reports")
+    for path in outputs:
+        print(path)
+    return 0
+
+
+def cmd_params_show(args) -> int:
+    params = _params(args)
+    values = params.model_dump(mode="json")
+    for key, _default, doc in describe_fields():
+        node = values
+        for part in key.split("."):
+            node = node[part]
+        print(f"{key} = {node!r}  # {doc}")
+    return 0
+
+
+def cmd_data_fetch(args) -> int:
+    from scope_lib.corpus import fetch_data
+
+    overrides = list(args.override)
+    if args.url:
+        overrides.append(f"retrieval.corpus_url={args.url}")
+    if args.max_passages:
+        overrides.append(f"retrieval.fetch_max_passages={args.max_passages}")
+    path = fetch_data(load_params(args.params, overrides), overwrite=args.force)
+    print(path)
+    return 0
+
+
+def cmd_index_build(args) -> int:
+    from scope_lib.retrieval import build_or_open_index
+
+    retriever = build_or_open_index(_params(args), rebuild=args.rebuild)
+    print(f"index ready: {retriever.count()} passages")
+    return 0
+
+
+def cmd_serve_retrieval(args) -> int:
+    from scope_lib.retrieval_server import serve
+
+    serve(_params(args), host=args.host, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scope", description="SCOPE toolkit (arXiv 2605.31433)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_params(p, positional=False):
+        if positional:
+            p.add_argument("params", help="params YAML (e.g. params/qwen3-8b.yaml)")
+        else:
+            p.add_argument("--params", default=DEFAULT_PARAMS, help=f"params YAML (default {DEFAULT_PARAMS})")
+        p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, e.g. -o grpo.learning_rate=2e-6 (repeatable)")
+        return p
+
+    run = with_params(sub.add_parser("run", help="execute the notebooks with papermill"), positional=True)
+    run.add_argument("--notebooks", nargs="*", default=None, help="only these (e.g. 01 02); default all")
+    run.add_argument("--no-html", action="store_true", help="skip the HTML copies")
+    run.set_defaults(func=cmd_run)
+
+    params = sub.add_parser("params", help="inspect parameters").add_subparsers(dest="what", required=True)
+    with_params(params.add_parser("show", help="print resolved parameters"), positional=True).set_defaults(
+        func=cmd_params_show)
+
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="what", required=True)
+    fetch = with_params(data.add_parser("fetch", help="download the wiki-18 corpus"))
+    fetch.add_argument("--url", help="override retrieval.corpus_url")
+    fetch.add_argument("--max-passages", type=int, help="keep only the first N passages")
+    fetch.add_argument("--force", action="store_true", help="download again even if the file exists")
+    fetch.set_defaults(func=cmd_data_fetch)
+
+    index = sub.add_parser("index", help="retrieval index").add_subparsers(dest="what", required=True)
+    build = with_params(index.add_parser("build", help="build or reuse the chroma index"))
+    build.add_argument("--rebuild", action="store_true", help="rebuild even if an index exists")
+    build.set_defaults(func=cmd_index_build)
+
+    serve = sub.add_parser("serve", help="servers").add_subparsers(dest="what", required=True)
+    retr = with_params(serve.add_parser("retrieval", help="Search-R1 compatible /retrieve server"))
+    retr.add_argument("--host", default="127.0.0.1")
+    retr.add_argument("--port", type=int, default=8000)
+    retr.set_defaults(func=cmd_serve_retrieval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from scope_lib.corpus import CorpusError
+
+    try:
+        return args.func(args)
+    except (ParamsError, CorpusError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

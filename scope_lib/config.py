@@ -1,0 +1,460 @@
+"""Run parameters: one typed schema for the whole SCOPE method.
+
+Defaults are the paper's (arXiv 2605.31433, Table 9 and Appendix G). A run is one YAML file holding any
+subset of these fields; everything it leaves out keeps the paper's value. Unknown keys, wrong types and
+impossible values are errors that name the key, the file and what is allowed.
+
+    params = load_params("params/qwen3-8b.yaml", overrides=["grpo.learning_rate=2e-6"])
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+TaskType = Literal["long_form_qa", "summarisation", "planning", "writing", "short_form_qa"]
+Gate = Literal["entity_identifiability", "source_relevance"]
+Backend = Literal["hf", "vllm", "openai"]
+
+#: The paper's four training task types (§4.1); short-form QA is defined but not used.
+PAPER_TASK_TYPES: list[str] = ["long_form_qa", "summarisation", "planning", "writing"]
+
+#: Where the public wiki-18 corpus (DPR Dec-2018 Wikipedia, 100-word passages) is published as JSONL.
+WIKI18_URL = "https://huggingface.co/datasets/PeterJinGo/wiki-18-corpus/resolve/main/wiki-18.jsonl.gz"
+
+
+class ParamsError(ValueError):
+    """A run configuration that cannot be used; the message says which key, where, and what is allowed."""
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are checked on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class TinyModelConfig(Section):
+    """The offline tiny model (`scope_lib.tiny`): random weights, a BPE tokenizer trained on the corpus."""
+
+    seed: int = Field(0, description="Seed for the tokenizer sample and the random weights.")
+    vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size, special tokens included.")
+    hidden_size: int = Field(64, ge=8, description="Transformer width.")
+    num_layers: int = Field(2, ge=1, description="Transformer depth.")
+    num_heads: int = Field(4, ge=1, description="Attention heads (key/value heads = heads / 2).")
+    max_position_embeddings: int = Field(8192, ge=256, description="Longest sequence the model accepts.")
+
+
+class ModelConfig(Section):
+    """The base model M0 from which Challenger, Solver and Judge start (§3)."""
+
+    base: str = Field("Qwen/Qwen3-8B", description="M0: a hub id, a local directory, or 'tiny' (offline).")
+    dialect: Literal["auto", "qwen2.5", "qwen3", "olmo3"] = Field(
+        "auto", description="Search-action syntax (Table 11); 'auto' detects it from `base`.")
+    finetuning: Literal["lora", "full"] = Field(
+        "lora", description="'lora': Challenger and Solver are adapters on one frozen M0 (one GPU); "
+        "'full': separate weights, as in the paper (Appendix E).")
+    lora_rank: int = Field(64, ge=1, description="LoRA rank r (LoRA mode only).")
+    lora_alpha: int = Field(128, ge=1, description="LoRA scaling alpha.")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    lora_target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("bfloat16", description="Weights dtype.")
+    max_model_len: int = Field(16384, ge=256, description="Max model length, tokens (Table 9).")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when base = 'tiny'.")
+
+
+class JudgeConfig(Section):
+    """The frozen Judge J = M0: quality gates, rubric writing, per-rubric grading (§3.1, App. G, H)."""
+
+    model: str | None = Field(None, description="Judge model; None = the base model M0 (the paper).")
+    rubric_model: str | None = Field(None, description="Rubric writer; None = `model` (judge-scaling runs).")
+    grader_model: str | None = Field(None, description="Grader; None = `model` (judge-scaling runs).")
+    gates: list[Gate] = Field(
+        ["entity_identifiability", "source_relevance"],
+        description="Quality gates QG(q, d) applied to each task (§3.1); all must pass.")
+    gate_temperature: float = Field(0.0, ge=0.0, description="Gate sampling temperature.")
+    gate_max_tokens: int = Field(256, ge=1, description="Gate reply budget (1024 suits thinking models).")
+    rubric_temperature: float = Field(0.0, ge=0.0, description="Rubric generation temperature (Table 9).")
+    rubric_max_tokens: int = Field(8192, ge=1, description="Rubric generation max tokens (Table 9).")
+    min_rubrics: int = Field(3, ge=1, description="Fewest rubrics a valid reply holds (Table 9).")
+    max_rubrics: int = Field(10, ge=1, description="Most rubrics a valid reply holds (the prompt asks 3-5).")
+    rubric_context: Literal["source", "source+evidence"] = Field(
+        "source", description="What the rubric writer reads: the source document d (paper) or d plus "
+        "the Challenger's retrieved evidence (the authors' code).")
+    grading_temperature: float = Field(0.6, ge=0.0, description="Grading temperature (Table 9).")
+    difficulty_grading_temperature: float | None = Field(
+        None, description="Grading temperature when estimating difficulty (Stage 1 reward and the task "
+        "filter); None = `grading_temperature`. The authors' code uses 0.0.")
+    grading_max_tokens: int = Field(16384, ge=1, description="Grading max tokens (Table 9).")
+    native_thinking: bool | None = Field(
+        None, description="Use the grader variant for models that think natively (no <think> "
+        "instruction); None = detect from the dialect (Qwen3).")
+    parse_retries: int = Field(1, ge=0, description="Re-asks for an unparseable reply before scoring 0.")
+    rubric_weights: Literal["uniform", "priority"] = Field(
+        "uniform", description="w_k in eq. 1: uniform (paper, §4.1) or by priority.")
+    priority_weights: dict[str, float] = Field(
+        {"critical": 1.0, "important": 0.7, "bonus": 0.3},
+        description="w_k per priority when rubric_weights = 'priority'.")
+
+
+class RetrievalConfig(Section):
+    """The retrieval index over the corpus D that every Challenger and Solver search hits (Table 9)."""
+
+    corpus: str = Field("wiki-18.jsonl", description="Corpus JSONL; a relative path is under the data dir.")
+    corpus_url: str = Field(WIKI18_URL, description="Where `scope data fetch` downloads the corpus from.")
+    corpus_sha256: str | None = Field(None, description="Expected sha256 of the downloaded file, if known.")
+    fetch_max_passages: int | None = Field(
+        None, ge=1, description="`scope data fetch` keeps only the first N passages (a slice); None = all.")
+    on_error: Literal["raise", "skip"] = Field(
+        "raise", description="Malformed corpus lines: stop with file:line, or skip them and report counts.")
+    max_passages: int | None = Field(None, ge=1, description="Index only the first N passages; None = all.")
+    backend: Literal["chroma", "http"] = Field(
+        "chroma", description="'chroma': our chromadb index; 'http': any Search-R1 style /retrieve server.")
+    chroma_mode: Literal["embedded", "server"] = Field(
+        "embedded", description="chromadb PersistentClient in the run dir, or HttpClient to `chroma run`.")
+    chroma_host: str = Field("127.0.0.1", description="chroma server host (server mode).")
+    chroma_port: int = Field(8000, ge=1, le=65535, description="chroma server port (server mode).")
+    collection: str = Field("wiki18", min_length=3, description="chromadb collection name.")
+    server_url: str = Field("http://127.0.0.1:8000", description="Base URL of a /retrieve server (http).")
+    embedder: Literal["e5", "minilm-offline", "hashing"] = Field(
+        "e5", description="e5: intfloat/e5-base-v2 (paper); minilm-offline: packaged MiniLM for offline "
+        "demos and tests; hashing: unit tests only.")
+    embedder_model: str = Field("intfloat/e5-base-v2", description="Hub id or local path for 'e5'.")
+    embedder_device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+    embed_batch_size: int = Field(256, ge=1, description="Passages per embedding batch.")
+    add_batch_size: int = Field(4096, ge=1, description="Passages per chromadb add call.")
+    hnsw_ef_search: int = Field(128, ge=1, description="HNSW search breadth (recall vs speed).")
+    hnsw_ef_construction: int = Field(200, ge=1, description="HNSW build breadth.")
+    hnsw_max_neighbors: int = Field(32, ge=2, description="HNSW graph degree M.")
+    top_k: int = Field(3, ge=1, description="Documents per query (Table 9).")
+    max_result_tokens: int = Field(500, ge=1, description="Token budget of one search's results (Table 9).")
+    timeout_s: float = Field(30.0, gt=0, description="HTTP timeout for a /retrieve or chroma server.")
+
+
+class SelfPlayConfig(Section):
+    """The self-play loop (Algorithm 1, Appendix G)."""
+
+    iterations: int = Field(3, ge=1, description="T, self-play iterations (§4.1).")
+    steps_per_role: int = Field(20, ge=1, description="GRPO steps per role per iteration (Table 9).")
+    task_types: list[TaskType] = Field(
+        PAPER_TASK_TYPES, min_length=1, description="Task types the Challenger writes (§4.1, App. H).")
+    search_turn_strata: list[int] = Field(
+        [4, 3, 2], min_length=1, description="Weights of 1, 2, 3, ... expected search turns ('4:3:2', App. G).")
+    difficulty_window: tuple[float, float] = Field(
+        (0.2, 0.8), description="[l, u]: keep tasks with l <= mean rubric score <= u (§3.1).")
+    solver_rollouts_train: int = Field(8, ge=1, description="N_train, Solver rollouts per task in Stage 1.")
+    solver_rollouts_filter: int = Field(4, ge=1, description="N_filter, Solver rollouts per candidate (App. G).")
+    challenger_prompts: int = Field(2000, ge=1, description="Challenger training prompts per iteration.")
+    target_tasks: int = Field(5120, ge=1, description="Filtered tasks per iteration (256 x 20, App. G).")
+    candidate_batch_size: int = Field(500, ge=1, description="Candidate tasks generated per batch (App. G).")
+    tasks_per_document: int = Field(1, ge=1, description="At most this many tasks per source document.")
+    document_max_tokens: int = Field(256, ge=16, description="Source documents are cut to this many tokens.")
+    co_evolution: bool = Field(
+        True, description="True: Stage 1 uses the previous Solver S_{t-1}; False: always S_0 = M0.")
+    seed: int = Field(42, description="Base seed; per-iteration seeds derive from it.")
+
+    @model_validator(mode="after")
+    def _window(self) -> SelfPlayConfig:
+        lo, hi = self.difficulty_window
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"difficulty_window must satisfy 0 <= l <= u <= 1, got [{lo}, {hi}]")
+        if any(w < 0 for w in self.search_turn_strata) or sum(self.search_turn_strata) == 0:
+            raise ValueError("search_turn_strata must be non-negative weights with a positive sum")
+        return self
+
+
+class ChallengerConfig(Section):
+    """Challenger rollouts and reward R_C (eq. 4, 5; F.1)."""
+
+    batch_size: int = Field(64, ge=1, description="Unique prompts per GRPO update (Table 9).")
+    max_prompt_tokens: int = Field(1024, ge=16, description="Max prompt length (Table 9).")
+    max_turns: int = Field(5, ge=2, description="Assistant turns per rollout: N searches, the task, and "
+                           "room for a corrected malformed action (the authors' limit).")
+    max_new_tokens_per_turn: int = Field(8192, ge=1, description="Generation budget of one turn.")
+    max_response_tokens: int = Field(8192, ge=1, description="Budget of all turns together (Table 9).")
+    temperature: float = Field(1.0, ge=0.0, description="Rollout temperature in training.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus mass.")
+    format_weight: float = Field(0.5, ge=0.0, description="lambda_fmt in eq. 4 (Table 9).")
+    difficulty_weight: float = Field(1.0, ge=0.0, description="lambda_diff in eq. 4 (Table 9).")
+    difficulty_target: float = Field(0.5, gt=0.0, lt=1.0, description="tau in eq. 5 (Table 9).")
+    clip_low: float = Field(0.2, gt=0.0, description="epsilon (lower clip) in eq. 3.")
+    clip_high: float = Field(0.2, gt=0.0, description="Upper clip range.")
+
+
+class SolverConfig(Section):
+    """Solver rollouts and reward R_S (eq. 6, 7; F.2)."""
+
+    batch_size: int = Field(256, ge=1, description="Unique prompts per GRPO update (Table 9).")
+    max_prompt_tokens: int = Field(2048, ge=16, description="Max prompt length (Table 9).")
+    max_turns: int = Field(5, ge=1, description="Assistant turns per rollout (§4.1).")
+    max_searches: int = Field(5, ge=0, description="Searches the Solver prompt allows.")
+    max_new_tokens_per_turn: int = Field(8192, ge=1, description="Generation budget of one turn.")
+    max_response_tokens: int = Field(8192, ge=1, description="Budget of all turns together (Table 9).")
+    temperature: float = Field(1.0, ge=0.0, description="Rollout temperature in training.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus mass.")
+    filter_temperature: float = Field(0.7, ge=0.0, description="Solver temperature in the task filter.")
+    filter_top_p: float = Field(0.9, gt=0.0, le=1.0, description="Solver top-p in the task filter.")
+    accuracy_weight: float = Field(1.0, ge=0.0, description="lambda_acc in eq. 6 (Table 9).")
+    format_weight: float = Field(0.5, ge=0.0, description="lambda_fmt in eq. 6 (Table 9).")
+    search_weight: float = Field(0.1, ge=0.0, description="lambda_search in eq. 6 (Table 9).")
+    search_saturation: int = Field(3, ge=1, description="Searches at which r_search saturates (F.2).")
+    length_penalty: bool = Field(True, description="Apply L(a) of eq. 7; False = the No-LP ablation.")
+    length_soft: int = Field(1024, ge=1, description="l_soft in eq. 7, tokens (Table 9).")
+    length_hard: int = Field(2048, ge=1, description="l_hard in eq. 7, tokens (Table 9).")
+    length_floor: float = Field(0.05, ge=0.0, le=1.0, description="l_min in eq. 7 (Table 9).")
+    clip_low: float = Field(0.2, gt=0.0, description="epsilon (lower clip) in eq. 3.")
+    clip_high: float = Field(0.28, gt=0.0, description="Upper clip range (clip-higher).")
+
+    @model_validator(mode="after")
+    def _limits(self) -> SolverConfig:
+        if self.length_hard <= self.length_soft:
+            raise ValueError(f"length_hard ({self.length_hard}) must exceed length_soft ({self.length_soft})")
+        return self
+
+
+class GRPOConfig(Section):
+    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer."""
+
+    learning_rate: float = Field(1e-6, gt=0.0, description="Learning rate (Table 9).")
+    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="LR warmup ratio (Table 9).")
+    lr_scheduler: Literal["constant_with_warmup", "cosine", "linear"] = Field(
+        "constant_with_warmup", description="Schedule after warmup (the authors use constant).")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clip (Table 9).")
+    beta: float = Field(1e-3, ge=0.0, description="KL coefficient beta in eq. 3 (Table 9; k3 estimator).")
+    group_size: int = Field(8, ge=2, description="G, rollouts per prompt (Table 9).")
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = Field(
+        "dapo", description="Loss aggregation; 'dapo' = token mean over the batch (the authors' token-mean).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std (eq. 2).")
+    num_epochs: int = Field(1, ge=1, description="PPO epochs per batch.")
+    per_device_batch_size: int = Field(8, ge=1, description="Micro-batch of completions per device.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per update.")
+    gradient_checkpointing: bool = Field(True, description="Trade compute for memory.")
+    seed: int = Field(42, description="Trainer seed.")
+
+
+class EngineConfig(Section):
+    """Generation engines: one interface, three back ends (HF transformers, vLLM offline, OpenAI HTTP)."""
+
+    backend: Backend = Field("vllm", description="Policy rollouts: 'hf' (CPU/GPU), 'vllm' (GPU), 'openai'.")
+    judge_backend: Backend | None = Field(None, description="Judge engine; None = same as `backend`.")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (hf backend).")
+    base_url: str | None = Field(None, description="OpenAI-compatible server for the 'openai' backend.")
+    judge_base_url: str | None = Field(None, description="Server for a served Judge; None = `base_url`.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
+    concurrency: int = Field(32, ge=1, description="Requests in flight (openai backend).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (openai backend).")
+    max_retries: int = Field(3, ge=0, description="Retries with backoff for failed requests.")
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0, description="vLLM memory share.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
+    max_loras: int = Field(2, ge=1, description="vLLM adapters resident at once (Challenger, Solver).")
+
+
+class EvaluationConfig(Section):
+    """Evaluation (§4.1): benchmarks, the LLM judge that scores them, decoding."""
+
+    benchmarks: list[str] = Field(["nq", "hotpotqa"], description="Benchmark names from the registry.")
+    max_examples: int = Field(1000, ge=1, description="Subsample benchmarks above this size (§4.1).")
+    judge_model: str = Field("gpt-5-mini", description="LLM judge for scoring (§4.1).")
+    judge_base_url: str | None = Field(None, description="OpenAI-compatible endpoint of the scoring judge.")
+    judge_temperature: float = Field(1.0, ge=0.0, description="Scoring judge temperature (§4.1).")
+    temperature: float = Field(1.0, ge=0.0, description="Solver decoding temperature (Qwen3: 1.0; others 0).")
+    max_turns: int = Field(5, ge=1, description="Search turns per task (§4.1).")
+    max_answer_tokens: int = Field(16384, ge=1, description="Answer budget (§4.1).")
+    context_tokens: int = Field(24576, ge=1, description="Context window (§4.1).")
+
+
+class RunConfig(Section):
+    """Where a run lives and how it is named."""
+
+    name: str = Field("run", min_length=1, description="Run name: artifacts go to <runs_dir>/<name>/.")
+    runs_dir: str = Field("runs", description="Parent folder of run directories.")
+    data_dir: str | None = Field(
+        None, description="Where corpus and datasets are read; None = $SCOPE_DATA_DIR, else ./data.")
+
+
+class Params(Section):
+    """Every parameter of a SCOPE run. Sections mirror the method: model, judge, retrieval, self-play,
+    the two roles, GRPO, engines, evaluation."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    selfplay: SelfPlayConfig = Field(default_factory=SelfPlayConfig)
+    challenger: ChallengerConfig = Field(default_factory=ChallengerConfig)
+    solver: SolverConfig = Field(default_factory=SolverConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+
+    # -- derived locations -------------------------------------------------------------------------
+    @property
+    def data_dir(self) -> Path:
+        return resolve_data_dir(self.run.data_dir)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.runs_dir) / self.run.name
+
+    @property
+    def corpus_path(self) -> Path:
+        path = Path(os.path.expandvars(os.path.expanduser(self.retrieval.corpus)))
+        return path if path.is_absolute() else self.data_dir / path
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def resolve_data_dir(configured: str | None = None) -> Path:
+    """The data directory: the configured one, else $SCOPE_DATA_DIR, else ./data."""
+    raw = configured or os.environ.get("SCOPE_DATA_DIR") or "data"
+    return Path(os.path.expandvars(os.path.expanduser(raw)))
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def load_params(path: str | os.PathLike | None = None,
+                overrides: list[str] | dict[str, Any] | None = None) -> Params:
+    """Read a params YAML (or the paper defaults when `path` is None) and apply dotted overrides.
+
+    A file may start from another with a top-level ``inherit: other.yaml`` (ablations do). `overrides`
+    is a list of ``"section.key=value"`` strings (values parsed as YAML) or a mapping of dotted keys to
+    values. Raises ParamsError naming the key, the file and the allowed values.
+    """
+    source = str(path) if path is not None else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        data = _read_yaml_chain(p)
+    for key, value in _parse_overrides(overrides).items():
+        _set_dotted(data, key, value, source)
+    return validate_params(data, source)
+
+
+def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read one params file; a top-level `inherit: other.yaml` (relative to this file) is read first and
+    this file's sections are merged over it, key by key."""
+    if not path.is_file():
+        raise ParamsError(f"{path}: no such params file")
+    if path.resolve() in seen:
+        raise ParamsError(f"{path}: `inherit` forms a cycle")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level, "
+                          f"got {type(loaded).__name__}")
+    parent = loaded.pop("inherit", None)
+    if parent is None:
+        return loaded
+    if not isinstance(parent, str):
+        raise ParamsError(f"{path}: inherit must be a path to another params file, got {parent!r}")
+    base = _read_yaml_chain(path.parent / parent, seen + (path.resolve(),))
+    return _merge(base, loaded)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def validate_params(data: dict[str, Any], source: str = "<params>") -> Params:
+    """Validate a nested mapping against the schema, turning pydantic errors into ParamsError."""
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        raise ParamsError(_describe(exc, source)) from None
+
+
+def _parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    if overrides is None:
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ParamsError(f"override {item!r}: expected section.key=value")
+        try:
+            parsed[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ParamsError(f"override {item!r}: value is not valid YAML: {exc}") from exc
+    return parsed
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    node: Any = data
+    schema: type[BaseModel] | None = Params
+    for depth, part in enumerate(parts[:-1]):
+        fields = schema.model_fields if schema is not None else {}
+        if part not in fields:
+            where = ".".join(parts[:depth]) or "top level"
+            raise ParamsError(f"{source}: override {dotted!r}: unknown key {part!r} at {where}; "
+                              f"allowed: {', '.join(fields)}")
+        annotation = fields[part].annotation
+        schema = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ParamsError(f"{source}: override {dotted!r}: {part!r} is not a section")
+    last = parts[-1]
+    if schema is not None and last not in schema.model_fields:
+        raise ParamsError(f"{source}: override {dotted!r}: unknown key {last!r}; "
+                          f"allowed: {', '.join(schema.model_fields)}")
+    node[last] = value
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid parameters"]
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc) or "<top level>"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(loc[:-1])
+            lines.append(f"  {key}: unknown key; allowed keys here: {', '.join(allowed)}")
+        else:
+            got = err.get("input")
+            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {key}: {err['msg']}{got_text}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: list[str]) -> list[str]:
+    schema: type[BaseModel] = Params
+    for part in loc:
+        field = schema.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        schema = annotation
+    return list(schema.model_fields)
+
+
+def describe_fields(section: type[BaseModel] = Params, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, default, description) for every leaf field: the parameter reference table."""
+    rows: list[tuple[str, Any, str]] = []
+    for name, field in section.model_fields.items():
+        annotation = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(describe_fields(annotation, key + "."))
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            rows.append((key, default, field.description or ""))
+    return rows

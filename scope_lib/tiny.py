@@ -1,0 +1,304 @@
+"""The offline tiny model: a random Qwen3 and a byte-level BPE tokenizer trained on the corpus, built locally.
+
+Smoke runs and tests use it instead of a hub model, so the whole SCOPE loop (rollouts, Judge, GRPO) runs on a
+CPU with no downloads. Nothing about it is pretrained: its replies are noise, but every code path (chat
+template, protocol tags, generation, logprobs, LoRA adapters, saving and loading) is the real one.
+
+    path = tiny_model_path("data/wiki-18.jsonl", params.model.tiny)     # built once, then cached
+    model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32", device="cpu",
+                                                tiny_cfg=params.model.tiny, corpus_path=corpus)
+
+The tokenizer keeps the protocol tags (<search>, </answer>, <tool_call>, ...) as single added tokens that are
+NOT special, so they survive ``decode(..., skip_special_tokens=True)`` and the parsers can read them. Only
+``<|endoftext|>`` (padding), ``<|im_start|>`` and ``<|im_end|>`` (end of a turn, the eos) are special.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from scope_lib.config import TinyModelConfig
+
+log = logging.getLogger(__name__)
+
+#: Bump when the recipe below changes, so cached builds from an older recipe are not reused.
+RECIPE_VERSION = 1
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
+
+#: Protocol tags of every dialect, prompt and parser; each one token, kept by skip_special_tokens decoding.
+PROTOCOL_TAGS: tuple[str, ...] = tuple(
+    tag for name in ("think", "search", "information", "answer", "task", "tool_call", "tool_response",
+                     "function_calls", "rubrics", "score")
+    for tag in (f"<{name}>", f"</{name}>"))
+
+#: Passages read from the head of the corpus to train the tokenizer (and to fingerprint the corpus).
+TOKENIZER_PASSAGES = 20_000
+
+#: ChatML as Qwen writes it: system/user/assistant turns; consecutive tool results share one user turn,
+#: each wrapped in <tool_response>. No default system prompt.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] if m['content'] is string else '' -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+class TinyModelError(ValueError):
+    """The tiny model cannot be built from what was given (corpus missing or empty, bad shape)."""
+
+
+# -- corpus ----------------------------------------------------------------------------------------
+
+
+def _read_passages(corpus_path: Path, limit: int = TOKENIZER_PASSAGES) -> tuple[list[str], str]:
+    """The `contents` of the first `limit` passages and a sha256 over exactly the lines read."""
+    if not corpus_path.is_file():
+        raise TinyModelError(f"{corpus_path}: corpus file not found; the tiny model's tokenizer is trained on "
+                             "it (run `scope data fetch`, or point retrieval.corpus at a JSONL file)")
+    digest = hashlib.sha256()
+    passages: list[str] = []
+    with corpus_path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if len(passages) >= limit:
+                break
+            if not raw.strip():
+                continue
+            digest.update(raw)
+            try:
+                record = json.loads(raw)
+                contents = record["contents"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TinyModelError(f"{corpus_path}:{lineno}: expected a JSON object with a 'contents' "
+                                     f"string ({type(exc).__name__}: {exc})") from None
+            if not isinstance(contents, str):
+                raise TinyModelError(f"{corpus_path}:{lineno}: 'contents' must be a string")
+            passages.append(contents)
+    if not passages:
+        raise TinyModelError(f"{corpus_path}: no passages; cannot train the tiny model's tokenizer")
+    return passages, digest.hexdigest()
+
+
+def corpus_fingerprint(corpus_path: str | os.PathLike) -> str:
+    """sha256 over the corpus lines the tiny tokenizer is trained on (the first TOKENIZER_PASSAGES)."""
+    return _read_passages(Path(corpus_path))[1]
+
+
+# -- building --------------------------------------------------------------------------------------
+
+
+def _kv_heads(num_heads: int) -> int:
+    """Key/value heads: heads / 2 (grouped-query attention, as in Qwen3), or the largest divisor below it."""
+    for kv in range(max(1, num_heads // 2), 0, -1):
+        if num_heads % kv == 0:
+            return kv
+    return 1
+
+
+def _train_tokenizer(passages: list[str], cfg: TinyModelConfig):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    order = list(range(len(passages)))
+    random.Random(cfg.seed).shuffle(order)
+
+    def texts() -> Iterator[str]:
+        for i in order:
+            yield passages[i]
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size - len(PROTOCOL_TAGS),
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts(), trainer=trainer, length=len(order))
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False, single_word=False, lstrip=False,
+                               rstrip=False) for tag in PROTOCOL_TAGS])
+    return tok
+
+
+def _wrap_tokenizer(tok, cfg: TinyModelConfig, padding_side: str = "left"):
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+        padding_side=padding_side,
+        model_max_length=cfg.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def _random_model(tokenizer, cfg: TinyModelConfig):
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    if cfg.hidden_size % cfg.num_heads or (cfg.hidden_size // cfg.num_heads) % 2:
+        raise TinyModelError(f"model.tiny: hidden_size ({cfg.hidden_size}) must be num_heads ({cfg.num_heads}) "
+                             "times an even head size")
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=3 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=_kv_heads(cfg.num_heads),
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = Qwen3ForCausalLM(config)
+    model.to(torch.float32)
+    # A plain sampler: no top-k, no repetition penalty; a turn ends at <|im_end|> (or <|endoftext|>).
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id,
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+    return model
+
+
+def build_tiny_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> Path:
+    """Train the tokenizer on `corpus_path`, make a seeded random Qwen3 and save both to `out_dir`.
+
+    The directory loads offline with AutoTokenizer / AutoModelForCausalLM.from_pretrained. Same config and
+    corpus give byte-identical files. `out_dir` is written in place; `tiny_model_path` builds atomically.
+    """
+    out = Path(out_dir)
+    passages, corpus_sha256 = _read_passages(Path(corpus_path))
+    tokenizer = _wrap_tokenizer(_train_tokenizer(passages, cfg), cfg)
+    model = _random_model(tokenizer, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    (out / "scope_tiny.json").write_text(json.dumps(
+        {"recipe_version": RECIPE_VERSION, "config": cfg.model_dump(mode="json"),
+         "corpus": str(corpus_path), "corpus_sha256": corpus_sha256,
+         "vocab_size": len(tokenizer), "parameters": n_params}, indent=2) + "\n")
+    log.info("built tiny model in %s: vocab %d, %d parameters", out, len(tokenizer), n_params)
+    return out
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where tiny builds are cached: `cache_dir`, else $SCOPE_CACHE_DIR/tiny, else ~/.cache/scope/tiny."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    base = os.environ.get("SCOPE_CACHE_DIR")
+    return (Path(os.path.expanduser(base)) if base else Path.home() / ".cache" / "scope") / "tiny"
+
+
+def cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
+    """A short hash of the recipe version, the tiny config and the corpus lines the tokenizer reads."""
+    payload = json.dumps({"recipe_version": RECIPE_VERSION, "config": cfg.model_dump(mode="json"),
+                          "corpus_sha256": corpus_fingerprint(corpus_path)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def tiny_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig | None = None,
+                    cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached tiny model for this corpus and config, built on first use.
+
+    Built in a temporary directory beside the cache entry and renamed into place, so a reader never sees a
+    half-written model; when two processes build at once, the first rename wins and the other build is
+    discarded.
+    """
+    cfg = cfg or TinyModelConfig()
+    root = cache_root(cache_dir)
+    final = root / cache_key(corpus_path, cfg)
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        build_tiny_model(tmp, corpus_path, cfg)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry is shared like any model directory
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            log.info("tiny model %s was built concurrently; using that one", final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def _torch_dtype(dtype: Any):
+    import torch
+
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r}: choose one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def resolve_device(device: str | None = "auto") -> str:
+    """'auto' means cuda when available, else cpu."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: Any = "auto", device: str | None = "auto",
+                             tiny_cfg: TinyModelConfig | None = None,
+                             corpus_path: str | os.PathLike | None = None, padding_side: str = "left"):
+    """(model, tokenizer) for M0: 'tiny' builds (or reuses) the offline tiny model from `corpus_path`;
+    anything else is a hub id or local directory loaded with from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source: str | Path = name_or_path
+    if str(name_or_path) == "tiny":
+        if corpus_path is None:
+            raise TinyModelError("model.base = 'tiny' needs the corpus (its tokenizer is trained on it): pass "
+                                 "corpus_path, e.g. params.corpus_path")
+        source = tiny_model_path(corpus_path, tiny_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=_torch_dtype(dtype),
+                                                 device_map=resolve_device(device))
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,51 @@
+"""Shared fixtures. Real data comes from ../shared/data (or $SCOPE_DATA_DIR); tests that need it skip,
+saying why, when it is absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _shared_data_dir() -> Path:
+    env = os.environ.get("SCOPE_DATA_DIR")
+    return Path(env) if env else REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The real public samples (Wikipedia passages, QA sets, open-ended prompts)."""
+    path = _shared_data_dir()
+    if not (path / "wiki18_sample.jsonl").is_file():
+        pytest.skip(f"real data not found at {path} (set SCOPE_DATA_DIR or put ../shared/data beside the repo)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def wiki_sample(shared_data: Path) -> Path:
+    """1000 wiki-18 passages (ids "0".."999")."""
+    return shared_data / "wiki18_sample.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """No test may reach a model hub."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+from fixtures_tiny import tiny_corpus, tiny_model_dir  # noqa: E402,F401  (session fixtures)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.padding_side = "left"
+    return tok

@@ -1,0 +1,65 @@
+"""Session fixtures for the offline tiny model (register them in conftest.py with
+``pytest_plugins = ["fixtures_tiny"]``).
+
+The tokenizer is trained on the real wiki-18 sample when ../shared/data (or $SCOPE_DATA_DIR) has it, else on
+a small synthetic corpus written here, so torch-path tests never skip for want of data. The model is built
+once per test session into a temporary cache (about 3 s on one CPU core) and never downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_BUILT: dict[str, Path] = {}
+
+_WORDS = ("the", "of", "and", "in", "was", "a", "river", "city", "born", "album", "film", "war", "king",
+          "university", "football", "species", "church", "island", "party", "station", "season", "team",
+          "village", "district", "series", "novel", "band", "school", "bridge", "railway", "language")
+
+
+def _shared_sample() -> Path:
+    env = os.environ.get("SCOPE_DATA_DIR")
+    return (Path(env) if env else REPO.parent / "shared" / "data") / "wiki18_sample.jsonl"
+
+
+def write_synthetic_corpus(path: Path, n_passages: int = 300, seed: int = 0) -> Path:
+    """A small wiki-18 shaped JSONL ({"id", "contents"}, title on the first line) from a fixed word list."""
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for i in range(n_passages):
+            title = " ".join(rng.choice(_WORDS).title() for _ in range(2))
+            body = " ".join(rng.choice(_WORDS) for _ in range(60))
+            fh.write(json.dumps({"id": str(i), "contents": f'"{title}"\n{title} {body}.'}) + "\n")
+    return path
+
+
+def build_tiny_once(corpus: Path, cache_dir: Path) -> Path:
+    """The tiny model for `corpus` with the default TinyModelConfig, built at most once per process."""
+    from scope_lib.config import TinyModelConfig
+    from scope_lib.tiny import tiny_model_path
+
+    key = str(corpus)
+    if key not in _BUILT:
+        _BUILT[key] = tiny_model_path(corpus, TinyModelConfig(), cache_dir=cache_dir)
+    return _BUILT[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """The corpus the tiny tokenizer is trained on: the real wiki-18 sample if present, else synthetic."""
+    sample = _shared_sample()
+    if sample.is_file():
+        return sample
+    return write_synthetic_corpus(tmp_path_factory.mktemp("tiny_corpus") / "corpus.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_corpus: Path, tmp_path_factory) -> Path:
+    """A directory holding the tiny Qwen3 + tokenizer; load it with from_pretrained (offline)."""
+    return build_tiny_once(tiny_corpus, tmp_path_factory.mktemp("tiny_cache"))

@@ -1,0 +1,144 @@
+"""Run parameters: paper defaults, YAML + overrides, errors that name the key, the file and the allowed values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scope_lib.config import Params, ParamsError, describe_fields, load_params
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_PARAMS = ["qwen2.5-7b", "qwen3-8b", "olmo3-7b"]
+
+
+def test_defaults_are_table_9():
+    p = Params()
+    assert p.grpo.learning_rate == 1e-6 and p.grpo.warmup_ratio == 0.03 and p.grpo.max_grad_norm == 1.0
+    assert p.grpo.beta == 1e-3 and p.grpo.group_size == 8
+    assert p.selfplay.steps_per_role == 20 and p.selfplay.iterations == 3
+    assert (p.challenger.batch_size, p.solver.batch_size) == (64, 256)
+    assert (p.challenger.max_prompt_tokens, p.solver.max_prompt_tokens) == (1024, 2048)
+    assert (p.solver.accuracy_weight, p.solver.format_weight, p.solver.search_weight) == (1.0, 0.5, 0.1)
+    assert (p.solver.length_soft, p.solver.length_hard, p.solver.length_floor) == (1024, 2048, 0.05)
+    assert (p.challenger.format_weight, p.challenger.difficulty_weight, p.challenger.difficulty_target) == (0.5, 1.0, 0.5)
+    assert (p.retrieval.top_k, p.retrieval.max_result_tokens, p.retrieval.embedder) == (3, 500, "e5")
+    assert (p.judge.rubric_temperature, p.judge.grading_temperature, p.judge.min_rubrics) == (0.0, 0.6, 3)
+    assert p.selfplay.difficulty_window == (0.2, 0.8)
+    assert (p.selfplay.solver_rollouts_train, p.selfplay.solver_rollouts_filter) == (8, 4)
+    assert p.selfplay.search_turn_strata == [4, 3, 2] and p.selfplay.target_tasks == 5120
+    assert p.selfplay.task_types == ["long_form_qa", "summarisation", "planning", "writing"]
+
+
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+def test_model_params_keep_the_paper_values(name):
+    """The model files restate Table 9 for readers; they must not drift from the defaults."""
+    p = load_params(REPO / "params" / f"{name}.yaml")
+    paper = Params()
+    for section in ("selfplay", "challenger", "solver", "grpo"):
+        assert getattr(p, section) == getattr(paper, section), section
+    assert p.run.name == name
+    assert p.model.dialect in {"qwen2.5", "qwen3", "olmo3"}
+
+
+def test_every_params_file_loads():
+    files = sorted((REPO / "params").rglob("*.yaml"))
+    assert len(files) >= 7
+    for f in files:
+        load_params(f)
+
+
+def test_inherit_merges_section_by_section():
+    p = load_params(REPO / "params" / "ablations" / "no-length-penalty.yaml")
+    assert p.solver.length_penalty is False
+    assert p.model.base == "Qwen/Qwen3-8B" and p.model.dialect == "qwen3"   # inherited
+    assert p.solver.length_soft == 1024                                      # untouched keys stay
+
+
+def test_overrides_apply_and_parse_yaml_values():
+    p = load_params(REPO / "params" / "smoke.yaml",
+                    ["grpo.learning_rate=2e-6", "selfplay.task_types=[planning]", "solver.length_penalty=false"])
+    assert p.grpo.learning_rate == 2e-6
+    assert p.selfplay.task_types == ["planning"]
+    assert p.solver.length_penalty is False
+    assert load_params(None, {"retrieval.top_k": 5}).retrieval.top_k == 5
+
+
+def test_unknown_key_in_file_names_file_key_and_allowed(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("grpo:\n  learnig_rate: 1e-5\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(f)
+    msg = str(err.value)
+    assert str(f) in msg and "grpo.learnig_rate" in msg and "learning_rate" in msg
+
+
+def test_unknown_section(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("optimiser:\n  lr: 1\n")
+    with pytest.raises(ParamsError, match=r"optimiser: unknown key; allowed keys here: run, model"):
+        load_params(f)
+
+
+def test_unknown_override_key_names_allowed_keys():
+    with pytest.raises(ParamsError, match=r"unknown key 'learnin_rate'.*allowed: learning_rate"):
+        load_params(REPO / "params" / "smoke.yaml", ["grpo.learnin_rate=1"])
+    with pytest.raises(ParamsError, match=r"unknown key 'optim'"):
+        load_params(None, ["optim.lr=1"])
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("grpo.learning_rate=abc", "grpo.learning_rate", "valid number"),
+    ("model.dialect=gpt", "model.dialect", "'qwen2.5', 'qwen3' or 'olmo3'"),
+    ("grpo.learning_rate=-1", "grpo.learning_rate", "greater than 0"),
+    ("retrieval.embedder=bm25", "retrieval.embedder", "'e5', 'minilm-offline' or 'hashing'"),
+    ("selfplay.task_types=[poetry]", "selfplay.task_types.0", "long_form_qa"),
+    ("selfplay.difficulty_window=[0.9,0.1]", "selfplay", "0 <= l <= u <= 1"),
+    ("solver.length_hard=10", "solver", "must exceed length_soft"),
+    ("grpo.group_size=1", "grpo.group_size", "greater than or equal to 2"),
+])
+def test_bad_values_name_key_and_allowed(override, key, hint):
+    with pytest.raises(ParamsError) as err:
+        load_params(REPO / "params" / "smoke.yaml", [override])
+    msg = str(err.value)
+    assert "params/smoke.yaml" in msg and key in msg and hint in msg
+
+
+def test_malformed_files(tmp_path):
+    with pytest.raises(ParamsError, match="no such params file"):
+        load_params(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ParamsError, match="expected a mapping"):
+        load_params(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("grpo: [\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(tmp_path / "broken.yaml")
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
+    with pytest.raises(ParamsError, match="cycle"):
+        load_params(tmp_path / "a.yaml")
+    with pytest.raises(ParamsError, match="expected section.key=value"):
+        load_params(None, ["grpo.learning_rate"])
+
+
+def test_data_dir_and_corpus_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCOPE_DATA_DIR", str(tmp_path))
+    p = load_params(REPO / "params" / "smoke.yaml")
+    assert p.corpus_path == tmp_path / "wiki18_sample.jsonl"
+    p = load_params(REPO / "params" / "smoke.yaml", ["run.data_dir=/elsewhere"])
+    assert p.corpus_path == Path("/elsewhere/wiki18_sample.jsonl")
+    assert p.run_dir == Path("runs/smoke")
+
+
+def test_every_field_is_documented():
+    rows = describe_fields()
+    assert len(rows) > 100
+    undocumented = [key for key, _, doc in rows if not doc]
+    assert undocumented == []
+
+
+def test_round_trip_yaml(tmp_path):
+    p = load_params(REPO / "params" / "qwen3-8b.yaml")
+    f = tmp_path / "resolved.yaml"
+    f.write_text(p.to_yaml())
+    assert load_params(f) == p

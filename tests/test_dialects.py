@@ -1,0 +1,103 @@
+"""Dialects (paper Table 11): render, parse (valid / malformed / none), results turns, detection."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scope_lib.dialects import DIALECTS, detect_dialect, get_dialect, strip_thinking
+
+NAMES = list(DIALECTS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("query", ["Horatio Hale ethnologist", 'the "Hale Passages" of Puget Sound', "état, ünïcode"])
+def test_render_then_parse_round_trips(name, query):
+    d = get_dialect(name)
+    action = d.parse_search(f"<think>I should look up the expedition.</think>\n{d.format_search(query)}")
+    assert action.kind == "search" and action.query == query
+
+
+@pytest.mark.parametrize("name, text", [
+    ("qwen2.5", "<search>   </search>"),
+    ("qwen2.5", "<search>unclosed query"),
+    ("qwen3", '<tool_call>{"name": "search", "arguments": {"query": ""}}</tool_call>'),
+    ("qwen3", '<tool_call>{"name": "lookup", "arguments": {"query": "x"}}</tool_call>'),
+    ("qwen3", "<tool_call>{not json}</tool_call>"),
+    ("qwen3", '<tool_call>{"name": "search", "arguments": {"query": 3}}</tool_call>'),
+    ("olmo3", "<function_calls>search(q='x')</function_calls>"),
+    ("olmo3", '<function_calls>search(query="x") ; drop()</function_calls>'),
+    ("olmo3", '<function_calls>search(query="")</function_calls>'),
+])
+def test_malformed_actions(name, text):
+    assert get_dialect(name).parse_search(text).kind == "malformed"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_action_and_search_inside_think_is_ignored(name):
+    d = get_dialect(name)
+    assert d.parse_search("The answer is plain text.").kind == "none"
+    assert d.parse_search(f"<think>maybe {d.format_search('x')}</think> no action").kind == "none"
+    assert d.parse_search(None).kind == "none"
+
+
+def test_positional_first_action_wins():
+    d = get_dialect("qwen2.5")
+    assert d.parse_search("<search>first</search> then <search>second</search>").query == "first"
+
+
+def test_qwen3_double_encoded_arguments():
+    d = get_dialect("qwen3")
+    text = '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"Dibba Al-Hisn\\"}"}</tool_call>'
+    assert d.parse_search(text).query == "Dibba Al-Hisn"
+
+
+def test_count_searches():
+    d = get_dialect("qwen2.5")
+    turns = ["<search>a</search>", "<search></search>", "<answer>x</answer>", "<search>b</search>"]
+    assert d.count_searches(turns) == (2, 1)
+
+
+def test_stops_and_results_roles():
+    assert get_dialect("qwen2.5").solver_stops() == ("</answer>", "</search>")
+    assert get_dialect("qwen3").challenger_stops() == ("</task>", "</tool_call>")
+    assert get_dialect("olmo3").solver_stops() == ("</answer>", "</function_calls>")
+    assert get_dialect("qwen2.5").results_message("Doc 1") == {
+        "role": "user", "content": "<information>Doc 1</information>"}
+    assert get_dialect("qwen3").results_message("Doc 1")["role"] == "tool"
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5"), ("Qwen/Qwen3-8B", "qwen3"),
+    ("allenai/Olmo-3-7B-Instruct", "olmo3"), ("tiny", "qwen2.5"), ("/models/qwen3_8b", "qwen3"),
+])
+def test_detection(model, expected):
+    assert detect_dialect(model) == expected
+    assert get_dialect("auto", model).name == expected
+
+
+def test_unknown_model_needs_explicit_dialect():
+    with pytest.raises(ValueError, match="set model.dialect"):
+        get_dialect("auto", "mistralai/Mistral-7B")
+    with pytest.raises(ValueError, match="unknown dialect"):
+        get_dialect("llama")
+
+
+def test_qwen3_strips_earlier_thinking_only():
+    d = get_dialect("qwen3")
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "<think>plan A</think>call"},
+            {"role": "tool", "content": "r"},
+            {"role": "assistant", "content": "<think>plan B</think>answer"}]
+    seen = d.render_history(msgs)
+    assert seen[1]["content"] == "call" and seen[3]["content"] == "<think>plan B</think>answer"
+    assert get_dialect("qwen2.5").render_history(msgs) == msgs
+    assert strip_thinking("reasoning only</think> visible") == "visible"
+
+
+@given(st.text(max_size=300))
+def test_parsers_never_raise(text):
+    for d in DIALECTS.values():
+        for candidate in (text, d.search_open + text, d.search_open + text + d.search_close):
+            assert d.parse_search(candidate).kind in {"search", "malformed", "none"}

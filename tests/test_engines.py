@@ -1,0 +1,506 @@
+"""scope_lib.engines: the one generation interface over HF transformers, vLLM and OpenAI-compatible servers.
+
+The tiny model is random, so it rarely writes a given stop string by itself. Stops are forced honestly:
+either the stop is text the model is known to produce (taken from a first seeded run), or the model is
+given a logit bias (a forward hook on its output layer) that makes it likely to emit the token, and the
+reference forward pass runs with the same hook.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fixtures_tiny import tiny_corpus, tiny_model_dir  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from scope_lib.config import validate_params
+from scope_lib.engines import (
+    Completion,
+    Engine,
+    EngineRequestError,
+    EngineUnavailable,
+    HFEngine,
+    OpenAIEngine,
+    Sampling,
+    VLLMEngine,
+    make_engine,
+)
+
+QUESTIONS = ["Who?", "What did Evan Morris lobby for in Washington, and for which company?",
+             "Name the river that flows through the city."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):  # noqa: F811
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):  # noqa: F811
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def chat_prompts(tokenizer, questions=QUESTIONS) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+@contextmanager
+def logit_bias(model, token_id: int, bias: float):
+    """Make the model itself favour one token (a hook on its output layer, seen by every forward pass)."""
+
+    def hook(_module, _inputs, logits):
+        logits = logits.clone()
+        logits[..., token_id] += bias
+        return logits
+
+    handle = model.get_output_embeddings().register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
+    """log_softmax(logits / T) of each completion token, from one unpadded forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    steps = logits[len(prompt) - 1:len(prompt) - 1 + len(completion)] / temperature
+    return torch.log_softmax(steps, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1).tolist()
+
+
+def check_contract(completion: Completion, tokenizer, sampling: Sampling, vocab: int) -> None:
+    ids = completion.token_ids
+    assert all(0 <= i < vocab for i in ids)
+    assert tokenizer.decode(ids) == completion.text
+    eos = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    assert not eos & set(ids), "eos/pad must not be in token_ids"
+    assert completion.finish_reason in ("stop", "eos", "length")
+    if completion.finish_reason == "length":
+        assert len(ids) == sampling.max_new_tokens
+    assert len(ids) <= sampling.max_new_tokens
+    if completion.finish_reason == "stop":
+        assert any(s in completion.text for s in sampling.stop)
+        assert not any(s in tokenizer.decode(ids[:-1]) for s in sampling.stop), "must end at the first stop"
+    if sampling.logprobs:
+        assert completion.logprobs is not None and len(completion.logprobs) == len(ids)
+        assert all(math.isfinite(x) and x <= 0 for x in completion.logprobs)
+
+
+# -- HFEngine --------------------------------------------------------------------------------------
+
+
+def test_hf_batch_with_stop_matches_forward_pass(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    assert isinstance(engine, Engine)
+    prompts = chat_prompts(tokenizer)
+    assert len({len(p) for p in prompts}) == 3
+    free = engine.generate(prompts, Sampling(max_new_tokens=24, seed=7))
+    assert engine.calls == 1
+    # a stop string the model is known to write at this seed: row 0's sampled tokens 4-5
+    stop = tokenizer.decode(free[0].token_ids[4:6])
+    assert stop.strip()
+    sampling = Sampling(max_new_tokens=24, seed=7, stop=(stop,))
+    out = engine.generate(prompts, sampling)
+    assert engine.calls == 2 and len(out) == 3
+    assert out[0].finish_reason == "stop" and out[0].text.endswith(stop)
+    assert len(out[0].token_ids) <= 6
+    for prompt, first, completion in zip(prompts, free, out, strict=True):
+        check_contract(completion, tokenizer, sampling, model.config.vocab_size)
+        # same seed: the same tokens, cut at the stop
+        assert completion.token_ids == first.token_ids[:len(completion.token_ids)]
+        reference = forward_logprobs(model, prompt, completion.token_ids)
+        assert completion.logprobs == pytest.approx(reference, abs=1e-4)
+
+
+def test_hf_tag_stop_with_temperature_and_top_p(model, tokenizer):
+    """A protocol tag (one added token) as the stop; logprobs are log_softmax(logits / T), before top-p."""
+    engine = HFEngine(model, tokenizer)
+    tag = "</search>"
+    tag_id = tokenizer.convert_tokens_to_ids(tag)
+    prompts = chat_prompts(tokenizer)
+    sampling = Sampling(max_new_tokens=40, temperature=0.7, top_p=0.9, stop=(tag,), seed=3)
+    with logit_bias(model, tag_id, 7.0):
+        out = engine.generate(prompts, sampling)
+        references = [forward_logprobs(model, p, c.token_ids, temperature=0.7) for p, c in zip(prompts, out, strict=True)]
+    assert engine.calls == 1
+    for completion, reference in zip(out, references, strict=True):
+        check_contract(completion, tokenizer, sampling, model.config.vocab_size)
+        assert completion.finish_reason == "stop"
+        assert completion.text.endswith(tag) and completion.token_ids[-1] == tag_id
+        assert completion.token_ids.count(tag_id) == 1
+        assert completion.logprobs == pytest.approx(reference, abs=1e-4)
+
+
+def test_hf_eos_ends_the_completion_and_is_left_out(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    prompts = chat_prompts(tokenizer) * 2
+    sampling = Sampling(max_new_tokens=30, seed=11)
+    with logit_bias(model, tokenizer.eos_token_id, 6.0):
+        out = engine.generate(prompts, sampling)
+        references = [forward_logprobs(model, p, c.token_ids) for p, c in zip(prompts, out, strict=True)]
+    finishes = [c.finish_reason for c in out]
+    assert finishes.count("eos") >= 3
+    assert len({len(c.token_ids) for c in out}) > 1  # rows ended at different steps: padding followed
+    for completion, reference in zip(out, references, strict=True):
+        check_contract(completion, tokenizer, sampling, model.config.vocab_size)
+        assert completion.logprobs == pytest.approx(reference, abs=1e-4)
+
+
+def test_hf_greedy_is_deterministic_and_respects_max_new_tokens(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    prompts = chat_prompts(tokenizer)
+    sampling = Sampling(max_new_tokens=8, temperature=0.0)
+    first = engine.generate(prompts, sampling)
+    torch.manual_seed(1234)  # the global RNG must not matter for greedy decoding
+    second = engine.generate(prompts, sampling)
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert [c.finish_reason for c in first] == ["length"] * 3
+    for prompt, completion in zip(prompts, first, strict=True):
+        check_contract(completion, tokenizer, sampling, model.config.vocab_size)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion.token_ids])).logits[0]
+        argmax = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        assert completion.token_ids == argmax
+
+
+def test_hf_stop_strings_are_matched_in_generated_text_only(model, tokenizer):
+    """A stop string that would straddle the prompt's end ("assistant\n" + a sampled first character) must not
+    end a completion that never wrote it."""
+    engine = HFEngine(model, tokenizer)
+    prompts = chat_prompts(tokenizer)
+    greedy = engine.generate(prompts, Sampling(max_new_tokens=8, temperature=0.0))
+    for prompt, free in zip(prompts, greedy, strict=True):
+        stop = tokenizer.decode(prompt)[-1] + free.text[0]
+        sampling = Sampling(max_new_tokens=8, temperature=0.0, stop=(stop,))
+        [completion] = engine.generate([prompt], sampling)
+        check_contract(completion, tokenizer, sampling, model.config.vocab_size)
+        assert completion.token_ids == free.token_ids[:len(completion.token_ids)]
+        assert completion.finish_reason == ("stop" if stop in free.text else "length")
+
+
+def test_hf_seeds(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    prompts = chat_prompts(tokenizer)
+    seeded = [engine.generate(prompts, Sampling(max_new_tokens=6, seed=5)) for _ in range(2)]
+    assert [c.token_ids for c in seeded[0]] == [c.token_ids for c in seeded[1]]
+    before = torch.random.get_rng_state()
+    engine.generate(prompts, Sampling(max_new_tokens=6, seed=5))
+    assert torch.equal(before, torch.random.get_rng_state()), "a seeded call must not touch the global RNG"
+    unseeded = [engine.generate(prompts, Sampling(max_new_tokens=6)) for _ in range(2)]
+    assert [c.token_ids for c in unseeded[0]] != [c.token_ids for c in unseeded[1]]
+    no_logprobs = engine.generate(prompts, Sampling(max_new_tokens=3, seed=5, logprobs=False))
+    assert all(c.logprobs is None for c in no_logprobs)
+
+
+def test_hf_chunks_keep_order(model, tokenizer):
+    engine = HFEngine(model, tokenizer, max_batch_size=2)
+    prompts = chat_prompts(tokenizer)
+    out = engine.generate(prompts, Sampling(max_new_tokens=5, seed=2))
+    assert engine.calls == 1 and len(out) == 3
+    for prompt, completion in zip(prompts, out, strict=True):
+        assert completion.logprobs == pytest.approx(forward_logprobs(model, prompt, completion.token_ids), abs=1e-4)
+    assert engine.generate([], Sampling(max_new_tokens=5)) == []
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], Sampling(max_new_tokens=5))
+
+
+def test_hf_lora_adapters(tiny_model_dir, tokenizer):  # noqa: F811
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    plain = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), tokenizer)
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(base, lora, adapter_name="challenger")
+    peft_model.add_adapter("solver", LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                init_lora_weights=False))
+    peft_model.set_adapter("challenger")
+    peft_model.train()
+    grads = {n: p.requires_grad for n, p in peft_model.named_parameters()}
+    engine = HFEngine(peft_model, tokenizer)
+    prompts = chat_prompts(tokenizer)
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+
+    judge = engine.generate(prompts, greedy)  # adapter=None: the frozen base model
+    assert [c.token_ids for c in judge] == [c.token_ids for c in plain.generate(prompts, greedy)]
+    solver = engine.generate(prompts, greedy, adapter="solver")
+    assert [c.token_ids for c in solver] != [c.token_ids for c in judge]
+    peft_model.set_adapter("solver")
+    for prompt, completion in zip(prompts, solver, strict=True):
+        with torch.no_grad():
+            assert completion.logprobs == pytest.approx(
+                forward_logprobs(peft_model, prompt, completion.token_ids), abs=1e-4)
+    peft_model.set_adapter("challenger")
+    for n, p in peft_model.named_parameters():
+        p.requires_grad_(grads[n])
+    engine.generate(prompts, greedy, adapter="solver")
+    assert peft_model.active_adapter == "challenger" and peft_model.training
+    assert {n: p.requires_grad for n, p in peft_model.named_parameters()} == grads
+    assert engine.calls == 3
+    with pytest.raises(ValueError, match="unknown adapter 'judge'"):
+        engine.generate(prompts, greedy, adapter="judge")
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        plain.generate(prompts, greedy, adapter="solver")
+
+
+def test_hf_adapters_loaded_into_a_transformers_model(tiny_model_dir, tokenizer):  # noqa: F811
+    from peft import LoraConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    plain = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), tokenizer)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                      adapter_name="solver")
+    engine = HFEngine(model, tokenizer)
+    prompts = chat_prompts(tokenizer)
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+    base = engine.generate(prompts, greedy)
+    assert [c.token_ids for c in base] == [c.token_ids for c in plain.generate(prompts, greedy)]
+    solver = engine.generate(prompts, greedy, adapter="solver")
+    assert [c.token_ids for c in solver] != [c.token_ids for c in base]
+    for prompt, completion in zip(prompts, solver, strict=True):  # adapters are on again after the call
+        assert completion.logprobs == pytest.approx(forward_logprobs(model, prompt, completion.token_ids), abs=1e-4)
+
+
+def test_sampling_validation():
+    assert Sampling(max_new_tokens=4, stop="</answer>").stop == ("</answer>",)
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=4, temperature=-1), dict(max_new_tokens=4, top_p=0)):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
+
+
+# -- vLLM ------------------------------------------------------------------------------------------
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed; the missing-vLLM message cannot be checked")
+def test_vllm_engine_without_vllm_names_the_gpu_extra(tiny_model_dir):  # noqa: F811
+    with pytest.raises(ImportError, match=r"\.\[gpu\]"):
+        VLLMEngine(tiny_model_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="needs CUDA and vLLM (the gpu extra)")
+def test_vllm_engine_contract(tiny_model_dir, tokenizer):  # noqa: F811
+    engine = VLLMEngine(tiny_model_dir, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True)
+    prompts = chat_prompts(tokenizer)
+    free = engine.generate(prompts, Sampling(max_new_tokens=24, seed=7))
+    stop = tokenizer.decode(free[0].token_ids[4:6])
+    sampling = Sampling(max_new_tokens=24, seed=7, stop=(stop,))
+    out = engine.generate(prompts, sampling)
+    assert engine.calls == 2 and out[0].finish_reason == "stop"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for prompt, completion in zip(prompts, out, strict=True):
+        check_contract(completion, tokenizer, sampling, hf.config.vocab_size)
+        assert completion.logprobs == pytest.approx(forward_logprobs(hf, prompt, completion.token_ids), abs=2e-3)
+
+
+# -- OpenAI-compatible HTTP ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """`transformers serve` on loopback with the tiny model (CPU); yields its base URL."""
+    cli = Path(sys.executable).with_name("transformers")
+    if not cli.is_file() or importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        pytest.skip("`transformers serve` needs transformers[serving] (the `serving` extra)")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HOME": str(log_path.parent / "hf")}
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen([str(cli), "serve", str(tiny_model_dir), "--device", "cpu", "--host", "127.0.0.1",
+                                 "--port", str(port), "--log-level", "warning"],
+                                stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"transformers serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"transformers serve not healthy after 120 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_openai_engine_against_transformers_serve(served_tiny, tiny_model_dir, tokenizer):  # noqa: F811
+    engine = OpenAIEngine(served_tiny, str(tiny_model_dir), tokenizer, concurrency=4, max_retries=1,
+                          backoff_s=0.05)
+    prompts = chat_prompts(tokenizer, QUESTIONS + ["One more question?"])
+    sampling = Sampling(max_new_tokens=8, seed=1)
+    out = engine.generate(prompts, sampling)
+    assert engine.calls == 1 and len(out) == 4
+    assert engine.prompt_format == "text"  # transformers serve only takes text prompts
+    for completion in out:
+        assert completion.token_ids and completion.logprobs is None  # the server returns no logprobs
+        assert tokenizer.decode(completion.token_ids) == completion.text
+        assert completion.finish_reason in ("length", "eos", "stop")
+    # greedy over HTTP is greedy: the same as the in-process engine, then a stop string it is known to write
+    greedy = engine.generate(prompts[:2], Sampling(max_new_tokens=8, temperature=0.0))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    local = HFEngine(model, tokenizer).generate(prompts[:2], Sampling(max_new_tokens=8, temperature=0.0))
+    assert [c.text for c in greedy] == [c.text for c in local]
+    # a stop string the server is known to write: the middle of a seeded sample's text. One request at a
+    # time: transformers serve seeds the global torch RNG, so concurrent seeded requests are not reproducible.
+    text = engine.generate(prompts[1:2], Sampling(max_new_tokens=8, seed=5))[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = engine.generate(prompts[1:2], Sampling(max_new_tokens=8, seed=5, stop=(stop,)))
+    assert engine.calls == 4
+    assert stopped[0].finish_reason == "stop" and stop in stopped[0].text
+    assert text.startswith(stopped[0].text[:stopped[0].text.index(stop) + len(stop)])
+    engine.close()
+
+
+def test_openai_engine_closed_port_fails_fast(tokenizer):
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = OpenAIEngine(url, "tiny", tokenizer, max_retries=2, backoff_s=0.01, timeout_s=2, prompt_format="text")
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=r"127\.0\.0\.1.*3 attempt.*server is running"):
+        engine.generate(chat_prompts(tokenizer), Sampling(max_new_tokens=4))
+    assert time.monotonic() - started < 5
+
+
+class _FakeVLLM(BaseHTTPRequestHandler):
+    """A loopback server that answers like `vllm serve` (token ids, logprobs, stop_reason), fails each
+    prompt's first attempt with 503 and holds every request briefly, so retries and concurrency show."""
+
+    server: ThreadingHTTPServer
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        state = self.server.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = tuple(body["prompt"])
+        with state["lock"]:
+            state["bodies"].append(body)
+            state["in_flight"] += 1
+            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            first = prompt not in state["seen"]
+            state["seen"].add(prompt)
+        time.sleep(0.15)
+        with state["lock"]:
+            state["in_flight"] -= 1
+        if body["model"] == "missing":
+            return self._reply(404, {"error": "model 'missing' not found"})
+        if first:
+            return self._reply(503, {"error": "warming up"})
+        n = prompt[-1] % 3  # vary the ending by prompt: stop string, eos (sent as the last id), length
+        ids = state["replies"][n] + ([state["eos"]] if n == 1 else [])
+        choice = {"index": 0, "text": "ignored", "token_ids": ids,
+                  "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+                  "finish_reason": "length" if n == 2 else "stop",
+                  "stop_reason": "</search>" if n == 0 else None}
+        self._reply(200, {"choices": [choice]})
+
+    def _reply(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_openai_engine_tokens_mode_retries_and_concurrency(tokenizer):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    texts = ["<search>river city</search>", "The river.", "a b c d e f g h"]
+    replies = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    server.state = {"lock": threading.Lock(), "bodies": [], "seen": set(), "in_flight": 0, "max_in_flight": 0,
+                    "replies": replies, "eos": tokenizer.eos_token_id}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        engine = OpenAIEngine(url, "base", tokenizer, concurrency=4, max_retries=2, backoff_s=0.01,
+                              prompt_format="tokens")
+        prompts = [p + [k] for k, p in enumerate(chat_prompts(tokenizer, QUESTIONS[:1] * 4))]
+        sampling = Sampling(max_new_tokens=max(len(r) for r in replies), stop=("</search>",), seed=10)
+        out = engine.generate(prompts, sampling, adapter="solver")
+        state = server.state
+        assert engine.calls == 1 and len(out) == 4
+        assert state["max_in_flight"] >= 2, "requests must run concurrently"
+        assert len(state["bodies"]) == 8  # each prompt: one 503, one retry
+        first = state["bodies"][0]
+        assert first["model"] == "solver" and first["return_token_ids"] and first["include_stop_str_in_output"]
+        assert sorted(b["seed"] for b in state["bodies"]) == [10, 10, 11, 11, 12, 12, 13, 13]
+        for k, completion in enumerate(out):
+            assert completion.token_ids == replies[k % 3]  # the server's ids, eos stripped
+            assert completion.logprobs == [-0.5] * len(replies[k % 3])
+            assert completion.text == texts[k % 3]
+        assert [c.finish_reason for c in out] == ["stop", "eos", "length", "stop"]
+        with pytest.raises(EngineRequestError, match="404"):
+            engine.generate(prompts[:1], sampling, adapter="missing")
+        engine.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# -- factory ---------------------------------------------------------------------------------------
+
+
+def test_make_engine(model, tokenizer, tiny_corpus, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path))
+    params = validate_params({"model": {"base": "tiny"}, "engine": {"backend": "hf", "judge_backend": "openai"},
+                              "retrieval": {"corpus": str(tiny_corpus)}})
+    policy = make_engine(params, "policy", model=model, tokenizer=tokenizer)
+    assert isinstance(policy, HFEngine) and policy.model is model
+    with pytest.raises(ValueError, match="judge_base_url"):
+        make_engine(params, "judge", tokenizer=tokenizer)
+    monkeypatch.setenv("MY_KEY", "secret")
+    params = validate_params({"model": {"base": "tiny"},
+                              "engine": {"backend": "hf", "judge_backend": "openai", "base_url": "http://a:1",
+                                         "judge_base_url": "http://j:2/v1", "api_key_env": "MY_KEY",
+                                         "concurrency": 3, "max_retries": 1},
+                              "retrieval": {"corpus": str(tiny_corpus)}})
+    judge = make_engine(params, "judge", tokenizer=tokenizer)
+    assert isinstance(judge, OpenAIEngine) and judge.url == "http://j:2/v1/completions"
+    assert judge.concurrency == 3 and judge.max_retries == 1
+    assert judge._client.headers["Authorization"] == "Bearer secret"
+    judge.close()
+    loaded = make_engine(validate_params({"model": {"base": "tiny", "dtype": "float32"},
+                                          "engine": {"backend": "hf", "device": "cpu"},
+                                          "retrieval": {"corpus": str(tiny_corpus)}}))
+    assert isinstance(loaded, HFEngine) and len(loaded.tokenizer) == model.config.vocab_size
+    if not HAS_VLLM:
+        with pytest.raises(ImportError, match="gpu"):
+            make_engine(validate_params({"model": {"base": "tiny"}, "engine": {"backend": "vllm"},
+                                         "retrieval": {"corpus": str(tiny_corpus)}}), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="role"):
+        make_engine(params, "critic")

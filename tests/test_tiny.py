@@ -1,0 +1,170 @@
+"""scope_lib.tiny: the offline tiny model is deterministic, loads offline, and speaks the protocol."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures_tiny import tiny_corpus, tiny_model_dir, write_synthetic_corpus  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from scope_lib import tiny
+from scope_lib.config import TinyModelConfig
+from scope_lib.dialects import get_dialect
+
+SMALL = dict(vocab_size=400, hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    return write_synthetic_corpus(tmp_path_factory.mktemp("corpus") / "c.jsonl", n_passages=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):  # noqa: F811
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _weights_hash(path: Path) -> str:
+    model = AutoModelForCausalLM.from_pretrained(path)
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_build_is_deterministic_by_seed(small_corpus, tmp_path):
+    a = tiny.build_tiny_model(tmp_path / "a", small_corpus, TinyModelConfig(seed=0, **SMALL))
+    b = tiny.build_tiny_model(tmp_path / "b", small_corpus, TinyModelConfig(seed=0, **SMALL))
+    c = tiny.build_tiny_model(tmp_path / "c", small_corpus, TinyModelConfig(seed=1, **SMALL))
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    assert (a / "chat_template.jinja").read_text() == (b / "chat_template.jinja").read_text()
+    assert _weights_hash(a) == _weights_hash(b)
+    assert _weights_hash(a) != _weights_hash(c)
+    info = json.loads((a / "scope_tiny.json").read_text())
+    assert info["config"]["seed"] == 0 and info["vocab_size"] <= SMALL["vocab_size"]
+
+
+def test_loads_offline_as_qwen3(tiny_model_dir, tokenizer):  # noqa: F811
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = TinyModelConfig()
+    assert model.config.model_type == "qwen3"
+    assert model.config.vocab_size == len(tokenizer) <= cfg.vocab_size
+    assert model.config.hidden_size == cfg.hidden_size and model.config.num_hidden_layers == cfg.num_layers
+    assert model.config.tie_word_embeddings
+    assert model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.padding_side == "left"
+    assert set(model.generation_config.eos_token_id) == {im_end, eot}
+    assert model.generation_config.pad_token_id == eot
+    assert sorted(tokenizer.all_special_tokens) == sorted(tiny.SPECIAL_TOKENS)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode("hello world")])).logits
+    assert logits.shape[-1] == len(tokenizer) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("tag", tiny.PROTOCOL_TAGS)
+def test_tags_are_single_non_special_tokens(tokenizer, tag):
+    ids = tokenizer.encode(f"x{tag}y {tag}\n{tag}", add_special_tokens=False)
+    tag_id = tokenizer.convert_tokens_to_ids(tag)
+    assert tokenizer.encode(tag, add_special_tokens=False) == [tag_id]
+    assert ids.count(tag_id) == 3
+    assert tag_id not in tokenizer.all_special_ids
+
+
+def test_decode_round_trips_and_keeps_tags(tokenizer):
+    text = ('<think>Who was Évan Morris?</think>\n<search>Evan Morris lobbyist</search>'
+            '<information>Doc 1: 1977 – 2015 “quoted” 東京</information><answer>Genentech</answer>')
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    with_end = tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
+    assert with_end[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(with_end, skip_special_tokens=True) == text
+
+
+def test_chat_template_renders_chatml(tokenizer):
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "<search>q</search>"},
+                {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+                        "<|im_start|>assistant\n<search>q</search><|im_end|>\n"
+                        "<|im_start|>user\n<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n"
+                        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    closed = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=False)
+    assert closed.endswith("Q<|im_end|>\n")
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 5
+    # the rollout code derives environment turns from this template
+    tail = get_dialect("qwen2.5").environment_text(tokenizer, [{"role": "user", "content": "<information>i"
+                                                                                          "</information>"}])
+    assert tail == "<|im_end|>\n<|im_start|>user\n<information>i</information><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tiny_model_path_builds_once_atomically(small_corpus, tmp_path, monkeypatch):
+    builds = []
+    real_build = tiny.build_tiny_model
+
+    def counting_build(*args, **kwargs):
+        builds.append(args[0])
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(tiny, "build_tiny_model", counting_build)
+    monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = TinyModelConfig(**SMALL)
+    first = tiny.tiny_model_path(small_corpus, cfg)
+    second = tiny.tiny_model_path(small_corpus, cfg)
+    assert first == second and len(builds) == 1
+    assert first.parent == tmp_path / "cache" / "tiny"
+    assert builds[0] != first  # built elsewhere, then renamed into place
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temp dirs left
+    other = tiny.tiny_model_path(small_corpus, TinyModelConfig(seed=5, **SMALL))
+    assert other != first and len(builds) == 2
+    explicit = tiny.tiny_model_path(small_corpus, cfg, cache_dir=tmp_path / "elsewhere")
+    assert explicit.parent == tmp_path / "elsewhere" and explicit.name == first.name
+
+
+def test_cache_key_follows_corpus_content(small_corpus, tmp_path):
+    cfg = TinyModelConfig(**SMALL)
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(small_corpus.read_bytes())
+    assert tiny.cache_key(copy, cfg) == tiny.cache_key(small_corpus, cfg)
+    with copy.open("a") as fh:
+        fh.write(json.dumps({"id": "x", "contents": "one more passage"}) + "\n")
+    assert tiny.cache_key(copy, cfg) != tiny.cache_key(small_corpus, cfg)
+
+
+def test_load_model_and_tokenizer(small_corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path))
+    cfg = TinyModelConfig(**SMALL)
+    model, tok = tiny.load_model_and_tokenizer("tiny", dtype="float32", device="cpu", tiny_cfg=cfg,
+                                               corpus_path=small_corpus)
+    assert model.dtype == torch.float32 and model.device.type == "cpu" and not model.training
+    # the hub-id / local-path branch (real from_pretrained) on the cached directory
+    path = tiny.tiny_model_path(small_corpus, cfg)
+    model2, tok2 = tiny.load_model_and_tokenizer(path, dtype="bfloat16", device="cpu", padding_side="right")
+    assert model2.dtype == torch.bfloat16 and tok2.padding_side == "right" and tok.padding_side == "left"
+    assert torch.equal(model.get_input_embeddings().weight.to(torch.bfloat16),
+                       model2.get_input_embeddings().weight)
+    with pytest.raises(tiny.TinyModelError, match="corpus"):
+        tiny.load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        tiny.load_model_and_tokenizer(path, dtype="float64", device="cpu")
+
+
+def test_corpus_errors_name_the_file_and_line(tmp_path):
+    with pytest.raises(tiny.TinyModelError, match="not found"):
+        tiny.corpus_fingerprint(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "0", "contents": "fine"}) + "\n\n{not json\n")
+    with pytest.raises(tiny.TinyModelError, match=r"bad\.jsonl:3"):
+        tiny.corpus_fingerprint(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(tiny.TinyModelError, match="no passages"):
+        tiny.build_tiny_model(tmp_path / "out", empty, TinyModelConfig(**SMALL))
