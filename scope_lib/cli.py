@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from scope_lib.config import ParamsError, describe_fields, load_params
 

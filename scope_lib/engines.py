@@ -659,26 +659,45 @@ class OpenAIEngine:
 Role = Literal["policy", "judge"]
 
 
-def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=None) -> Engine:
+def model_name(params: Params, role: Role = "policy") -> str:
+    """The model a role runs: M0 for the policy; `judge.model` or M0 for the Judge."""
+    return params.model.base if role == "policy" else (params.judge.model or params.model.base)
+
+
+def model_source(params: Params, role: Role = "policy", name: str | None = None) -> str:
+    """Where a model's weights and tokenizer load from: a hub id or local path ('tiny' is built or reused
+    from the cache). `name` defaults to the role's model."""
+    from scope_lib.tiny import tiny_model_path
+
+    name = name or model_name(params, role)
+    return str(tiny_model_path(params.corpus_path, params.model.tiny)) if name == "tiny" else name
+
+
+def load_tokenizer(params: Params, role: Role = "policy"):
+    """The role's tokenizer alone (no weights), left-padded: for token budgets and formatting."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_source(params, role))
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=None, name: str | None = None) -> Engine:
     """The engine for a role from `params.engine`: the policy (Challenger/Solver rollouts) or the Judge.
 
     hf: uses `model`/`tokenizer` when given (e.g. the PeftModel being trained), else loads M0 (or
     `judge.model` for the Judge). vllm: one offline engine; in LoRA mode it serves the base and the adapters,
     so pass the policy engine to the Judge too instead of making a second one. openai: a served model at
-    `engine.base_url` (policy) or `engine.judge_base_url` (Judge; falls back to `base_url`).
+    `engine.base_url` (policy) or `engine.judge_base_url` (Judge; falls back to `base_url`). `name` picks
+    another model for the role (e.g. `judge.rubric_model`).
     """
-    from scope_lib.tiny import load_model_and_tokenizer, tiny_model_path
+    from scope_lib.tiny import load_model_and_tokenizer
 
     if role not in ("policy", "judge"):
         raise ValueError(f"role must be 'policy' or 'judge', got {role!r}")
     cfg = params.engine
     backend = cfg.backend if role == "policy" else (cfg.judge_backend or cfg.backend)
-    name = params.model.base if role == "policy" else (params.judge.model or params.model.base)
-
-    def local_path() -> str:
-        if name == "tiny":
-            return str(tiny_model_path(params.corpus_path, params.model.tiny))
-        return name
+    name = name or model_name(params, role)
 
     if backend == "hf":
         if model is None:
@@ -691,7 +710,7 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
         return HFEngine(model, tokenizer)
     if backend == "vllm":
         return VLLMEngine(
-            local_path(), tokenizer=tokenizer,
+            model_source(params, role, name), tokenizer=tokenizer,
             enable_lora=role == "policy" and params.model.finetuning == "lora", max_loras=cfg.max_loras,
             max_lora_rank=params.model.lora_rank, enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
@@ -703,10 +722,8 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
             raise ValueError(f"{key} must be set for the 'openai' backend (the server's address, e.g. "
                              "http://127.0.0.1:8000)")
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(local_path())
-        return OpenAIEngine(url, local_path() if name == "tiny" else name, tokenizer,
+            tokenizer = load_tokenizer(params, role)
+        return OpenAIEngine(url, model_source(params, role, name), tokenizer,
                             api_key=os.environ.get(cfg.api_key_env), concurrency=cfg.concurrency,
                             timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
     raise ValueError(f"unknown engine backend {backend!r}; choose hf, vllm or openai")

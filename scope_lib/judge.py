@@ -72,15 +72,15 @@ class Judge:
     def gates(self, tasks: list[str], source_documents: list[str]) -> list[GateOutcome]:
         """Every configured gate for every task, in one call."""
         gates = list(self.cfg.gates)
-        texts = [prompts.gate_prompt(g, task, doc) for task, doc in zip(tasks, source_documents) for g in gates]
+        texts = [prompts.gate_prompt(g, task, doc) for task, doc in zip(tasks, source_documents, strict=True) for g in gates]
         sampling = self._sampling(self.cfg.gate_max_tokens, self.cfg.gate_temperature, "</score>")
         scores = self._run("gates", self.gate_engine, texts, sampling, parsing.parse_score)
-        return [GateOutcome(dict(zip(gates, scores[i * len(gates):(i + 1) * len(gates)])))
+        return [GateOutcome(dict(zip(gates, scores[i * len(gates):(i + 1) * len(gates)], strict=True)))
                 for i in range(len(tasks))]
 
     def rubrics(self, task_types: list[str], tasks: list[str], documents: list[list[str]]) -> list[list[Rubric] | None]:
         """3-5 rubrics per task from its context documents (the source, or source + evidence), in one call."""
-        texts = [prompts.rubric_prompt(tt, task, docs) for tt, task, docs in zip(task_types, tasks, documents)]
+        texts = [prompts.rubric_prompt(tt, task, docs) for tt, task, docs in zip(task_types, tasks, documents, strict=True)]
         sampling = self._sampling(self.cfg.rubric_max_tokens, self.cfg.rubric_temperature, "</rubrics>")
 
         def parse(reply: str) -> list[Rubric] | None:
@@ -92,7 +92,7 @@ class Judge:
               temperature: float | None = None) -> list[int | None]:
         """One binary verdict per (task, answer, rubric) triple, all in one call."""
         texts = [prompts.grader_prompt(t, a, r, native_thinking=self.native_thinking)
-                 for t, a, r in zip(tasks, answers, rubrics)]
+                 for t, a, r in zip(tasks, answers, rubrics, strict=True)]
         temp = self.cfg.grading_temperature if temperature is None else temperature
         sampling = self._sampling(self.cfg.grading_max_tokens, temp, "</score>")
         return self._run("grading", self.grader_engine, texts, sampling, parsing.parse_score)
@@ -126,7 +126,7 @@ class Judge:
             stats.retried += len(todo)
             again = engine.generate([ids[i] for i in todo], sampling)
             stats.calls += 1
-            for i, completion in zip(todo, again):
+            for i, completion in zip(todo, again, strict=True):
                 replies[i] = completion.text
                 results[i] = parse(completion.text)
             todo = [i for i in todo if results[i] is None]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scope_lib.config import Params, load_params
 
@@ -31,3 +33,87 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     loaded = load_params(params, overrides or [])
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
     return loaded
+
+
+@dataclass
+class Components:
+    """What the protocol notebooks work with, built once from the params."""
+
+    params: Params
+    corpus: Any
+    retriever: Any
+    dialect: Any
+    policy: Any          # Engine for Challenger and Solver rollouts (M0 here)
+    judge: Any           # Judge on M0 (or judge.model)
+    tokenizer: Any       # the policy tokenizer
+
+
+def components(params: Params) -> Components:
+    """Corpus, retrieval index, dialect, policy engine and Judge for a run. In LoRA mode (and on the tiny
+    model) the Judge shares the policy engine: it is M0 with adapters off."""
+    from scope_lib.corpus import read_corpus
+    from scope_lib.dialects import get_dialect
+    from scope_lib.engines import make_engine
+    from scope_lib.judge import Judge
+    from scope_lib.retrieval import open_retriever
+
+    r = params.retrieval
+    corpus = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages)
+    retriever = open_retriever(params)
+    dialect = get_dialect(params.model.dialect, params.model.base)
+    policy = make_engine(params, "policy")
+    engines = {params.model.base: policy}
+
+    def engine_for(name: str | None):
+        name = name or params.judge.model or params.model.base
+        same_backend = (params.engine.judge_backend or params.engine.backend) == params.engine.backend
+        if name not in engines or not same_backend:
+            engines[name] = make_engine(params, "judge", name=name)
+        return engines[name]
+
+    j = params.judge
+    judge = Judge(engine_for(j.model), j, native_thinking=dialect.name == "qwen3",
+                  rubric_engine=engine_for(j.rubric_model), grader_engine=engine_for(j.grader_model))
+    return Components(params, corpus, retriever, dialect, policy, judge, policy.tokenizer)
+
+
+def challenger_batch(c: Components, n_documents: int, iteration: int = 1, group_size: int = 1):
+    """Sample documents (slice `iteration` of the seeded permutation), build Challenger prompts (task types
+    and 4:3:2 search strata apportioned exactly) and roll them out. Returns (prompts, trajectories, stats)."""
+    from scope_lib.corpus import sample_documents
+    from scope_lib.rollout import challenger_trajectories, make_challenger_prompts, run_rollouts
+    from scope_lib.selfplay import challenger_limits
+
+    sp = c.params.selfplay
+    documents = sample_documents(c.corpus.passages, n_documents, seed=sp.seed, iteration=iteration)
+    prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed=sp.seed,
+                                      tokenizer=c.tokenizer, document_max_tokens=sp.document_max_tokens)
+    trajectories = challenger_trajectories(prompts, c.dialect, c.tokenizer, group_size)
+    stats = run_rollouts(trajectories, c.policy, c.retriever, c.dialect, challenger_limits(c.params))
+    return prompts, trajectories, stats
+
+
+def save_challenger_batch(run_dir: Path, prompts, trajectories) -> Path:
+    """Write an exploration's prompts and rollouts to <run>/explore/ (replacing an earlier one)."""
+    from dataclasses import asdict
+
+    from scope_lib.runs import atomic_write_json, write_jsonl
+
+    folder = Path(run_dir) / "explore"
+    atomic_write_json(folder / "challenger_prompts.json", [asdict(p) for p in prompts])
+    write_jsonl(folder / "challenger_rollouts.jsonl", (t.to_record() for t in trajectories))
+    return folder
+
+
+def load_challenger_batch(run_dir: Path):
+    """(prompts, trajectories) saved by notebook 02, or None when there is none."""
+    import json
+
+    from scope_lib.rollout import ChallengerPrompt, Trajectory
+    from scope_lib.runs import read_jsonl
+
+    folder = Path(run_dir) / "explore"
+    if not (folder / "challenger_rollouts.jsonl").is_file():
+        return None
+    prompts = [ChallengerPrompt(**p) for p in json.loads((folder / "challenger_prompts.json").read_text())]
+    return prompts, [Trajectory.from_record(r) for r in read_jsonl(folder / "challenger_rollouts.jsonl")]

@@ -208,7 +208,9 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
 
     @property
     def dimension(self) -> int:
-        return int(self.model.get_sentence_embedding_dimension())
+        model = self.model
+        getter = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        return int(getter())
 
     def _embed(self, texts: list[str], query: bool) -> np.ndarray:
         prefix = self.query_prefix if query else self.document_prefix
@@ -235,9 +237,13 @@ class E5Embedder(_SentenceTransformerEmbedder):
 
     def _load(self) -> Any:
         model = super()._load()
-        modes = [m.get_pooling_mode_str() for m in model if hasattr(m, "get_pooling_mode_str")]
-        if modes and modes != ["mean"]:
-            log.warning("embedder %s pools with %s; E5 specifies mean pooling", self.model_name, modes)
+        for module in model:
+            if type(module).__name__ == "Pooling":
+                mode = getattr(module, "pooling_mode", None)  # sentence-transformers 6
+                if mode is None and hasattr(module, "get_pooling_mode_str"):  # sentence-transformers 5
+                    mode = module.get_pooling_mode_str()
+                if mode not in ("mean", ("mean",), ["mean"]):
+                    log.warning("embedder %s pools with %r; E5 specifies mean pooling", self.model_name, mode)
         return model
 
     @staticmethod
@@ -517,10 +523,11 @@ def build_index(passages: Iterable[Passage], cfg: RetrievalConfig, *, corpus_sha
     `passages` must be the corpus read with `cfg.on_error` and `cfg.max_passages`, and `corpus_sha256`
     the corpus file's checksum: both go into the fingerprint. A complete index with the same fingerprint
     is reused and `passages` is not read. An interrupted build with the same fingerprint is resumed. An
-    index with another fingerprint raises IndexMismatchError, or is deleted and rebuilt when `rebuild`.
+    index with another fingerprint raises IndexMismatchError. `rebuild` deletes any existing index first.
     `client` defaults to `make_chroma_client(cfg, path)`; `embedder` to `make_embedder(cfg)`.
     """
     started = time.perf_counter()
+    owns_client = client is None
     client = client if client is not None else make_chroma_client(cfg, path)
     embedder = embedder if embedder is not None else make_embedder(cfg)
     wanted = index_fingerprint(cfg, corpus_sha256, embedder)
@@ -545,7 +552,11 @@ def build_index(passages: Iterable[Passage], cfg: RetrievalConfig, *, corpus_sha
             if n_stored != n_now:
                 raise IndexMismatchError(f"the retrieval index at {where} is marked complete with {n_stored} "
                                          f"passages but holds {n_now}. {REBUILD_HINT}")
-            _apply_ef_search(existing, cfg)
+            if _apply_ef_search(existing, cfg) and owns_client and cfg.chroma_mode == "embedded":
+                # chroma keeps a loaded collection's HNSW settings until its client system stops: reload
+                client.close()
+                client = make_chroma_client(cfg, path)
+                existing = client.get_collection(cfg.collection, embedding_function=None)
             stats = BuildStats(action="reused", n_passages=n_now, total_s=time.perf_counter() - started)
             log.info("reusing the retrieval index at %s: %d passages", where, n_now)
             return ChromaRetriever(client, existing, embedder, cfg.top_k, stats)
@@ -583,11 +594,18 @@ def _get_collection(client: Any, name: str) -> Any:
         return None
 
 
-def _apply_ef_search(collection: Any, cfg: RetrievalConfig) -> None:
-    """ef_search is a search-time knob: apply the params' value to a reused index."""
+def _apply_ef_search(collection: Any, cfg: RetrievalConfig) -> bool:
+    """ef_search is a search-time knob: store the params' value in a reused index; True if it changed.
+
+    chromadb applies a changed ef_search when the collection is next loaded (a new client system, e.g.
+    the next process); `build_index` reloads its own embedded client so that it applies at once.
+    """
     hnsw = (collection.configuration_json or {}).get("hnsw") or {}
-    if hnsw.get("ef_search") != cfg.hnsw_ef_search:
-        collection.modify(configuration={"hnsw": {"ef_search": cfg.hnsw_ef_search}})
+    if hnsw.get("ef_search") == cfg.hnsw_ef_search:
+        return False
+    log.info("index %s: ef_search %s -> %d", collection.name, hnsw.get("ef_search"), cfg.hnsw_ef_search)
+    collection.modify(configuration={"hnsw": {"ef_search": cfg.hnsw_ef_search}})
+    return True
 
 
 def _add_all(collection: Any, passages: Iterable[Passage], cfg: RetrievalConfig, embedder: ScopeEmbedder,

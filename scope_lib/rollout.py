@@ -82,13 +82,19 @@ class Trajectory:
         return [s.results for s in self.searches if s.valid and s.results]
 
     def model_token_ids(self) -> list[int]:
-        return [t for t, m in zip(self.completion_ids, self.env_mask) if m]
+        return [t for t, m in zip(self.completion_ids, self.env_mask, strict=True) if m]
 
     def to_record(self) -> dict[str, Any]:
         record = asdict(self)
         record["turn_spans"] = [list(span) for span in self.turn_spans]
-        record.pop("turn_prompt_ids")  # derivable, large
         return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Trajectory:
+        fields = dict(record)
+        fields["turn_spans"] = [tuple(span) for span in fields.get("turn_spans", [])]
+        fields["searches"] = [SearchRecord(**s) for s in fields.get("searches", [])]
+        return cls(**fields)
 
 
 @dataclass
@@ -163,7 +169,7 @@ def make_challenger_prompts(passages, task_types: list[str], strata: list[int], 
     types = apportion(n, [1] * len(task_types), seed)
     searches = apportion(n, strata, seed + 1)
     out = []
-    for i, (passage, t, s) in enumerate(zip(passages, types, searches)):
+    for i, (passage, t, s) in enumerate(zip(passages, types, searches, strict=True)):
         document = passage.document
         if tokenizer is not None and document_max_tokens:
             document = truncate_tokens(document, tokenizer, document_max_tokens)
@@ -309,7 +315,7 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
         stats.turns += 1
         searches: list[tuple[Trajectory, str]] = []
         malformed: list[Trajectory] = []
-        for (traj, context), budget, completion in zip(contexts, budgets, completions):
+        for (traj, context), budget, completion in zip(contexts, budgets, completions, strict=True):
             ids, logprobs, finish = completion.token_ids, completion.logprobs, completion.finish_reason
             if len(ids) > budget:
                 ids, logprobs, finish = ids[:budget], (logprobs or [])[:budget] or None, "length"
@@ -335,7 +341,7 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             hits = retriever.search([q for _, q in searches], limits.top_k_docs)
             stats.retrieval_s += time.perf_counter() - t0
             stats.retrieval_calls += 1
-            for (traj, query), found in zip(searches, hits):
+            for (traj, query), found in zip(searches, hits, strict=True):
                 results = format_results(found, tokenizer, limits.max_result_tokens)
                 traj.searches.append(SearchRecord(turn=turn, query=query, valid=True,
                                                   hit_ids=[h.id for h in found], results=results))

@@ -34,6 +34,16 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> Path:
+    """Replace a JSONL file atomically (for artifacts rewritten whole, e.g. an exploration's rollouts)."""
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 class RecordLog:
     """An append-only JSONL file of records, each with a unique string `id`."""
 

@@ -18,8 +18,15 @@ from scope_lib.engines import Engine
 from scope_lib.judge import Judge
 from scope_lib.parsing import Rubric
 from scope_lib.retrieval import Retriever
-from scope_lib.rollout import (ChallengerPrompt, RolloutLimits, RolloutStats, Trajectory, new_trajectory,
-                               run_rollouts, solver_messages)
+from scope_lib.rollout import (
+    ChallengerPrompt,
+    RolloutLimits,
+    RolloutStats,
+    Trajectory,
+    new_trajectory,
+    run_rollouts,
+    solver_messages,
+)
 
 
 def challenger_limits(params: Params) -> RolloutLimits:
@@ -123,7 +130,7 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
     gated = [e for e in evals if e.task is not None and e.format.total > 0]
     for e, outcome in zip(gated, judge.gates([e.task for e in gated],
                                              [prompts[by_id[e.challenger_id].meta["prompt_id"]].document
-                                              for e in gated])):
+                                              for e in gated]), strict=True):
         e.gates, e.gates_passed = outcome.verdicts, outcome.passed
 
     # Rubrics G from the source document (paper) or the source plus the retrieved evidence (option).
@@ -134,7 +141,7 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
         source = prompts[traj.meta["prompt_id"]].document
         contexts.append([source] + (traj.evidence if params.judge.rubric_context == "source+evidence" else []))
     for e, rubric_list in zip(passed, judge.rubrics([e.task_type for e in passed], [e.task for e in passed],
-                                                    contexts)):
+                                                    contexts), strict=True):
         e.rubrics = rubric_list
 
     # N Solver rollouts per task with rubrics, all in one batched rollout.
@@ -183,11 +190,11 @@ def grade_rollouts(solvers: list[Trajectory], tasks: dict[str, TaskEvaluation], 
             owners.append((i, k))
     verdicts: list[list[int | None]] = [[0] * len(tasks[t.meta["challenger_id"]].rubrics or []) for t in solvers]
     if triples:
-        results = judge.grade(*map(list, zip(*triples)), temperature=temperature)
-        for (i, k), verdict in zip(owners, results):
+        results = judge.grade(*map(list, zip(*triples, strict=True)), temperature=temperature)
+        for (i, k), verdict in zip(owners, results, strict=True):
             verdicts[i][k] = verdict
     graded = []
-    for traj, v in zip(solvers, verdicts):
+    for traj, v in zip(solvers, verdicts, strict=True):
         task = tasks[traj.meta["challenger_id"]]
         weights = judge.rubric_weights(task.rubrics or [])
         graded.append(GradedSolverRollout(traj, v, rewards.rubric_score(v, weights)))

@@ -159,9 +159,6 @@ def _random_model(tokenizer, cfg: TinyModelConfig):
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    if cfg.hidden_size % cfg.num_heads or (cfg.hidden_size // cfg.num_heads) % 2:
-        raise TinyModelError(f"model.tiny: hidden_size ({cfg.hidden_size}) must be num_heads ({cfg.num_heads}) "
-                             "times an even head size")
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     config = Qwen3Config(
@@ -195,6 +192,9 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike,
     The directory loads offline with AutoTokenizer / AutoModelForCausalLM.from_pretrained. Same config and
     corpus give byte-identical files. `out_dir` is written in place; `tiny_model_path` builds atomically.
     """
+    if cfg.hidden_size % cfg.num_heads or (cfg.hidden_size // cfg.num_heads) % 2:
+        raise TinyModelError(f"model.tiny: hidden_size ({cfg.hidden_size}) must be num_heads ({cfg.num_heads}) "
+                             "times an even head size")
     out = Path(out_dir)
     passages, corpus_sha256 = _read_passages(Path(corpus_path))
     tokenizer = _wrap_tokenizer(_train_tokenizer(passages, cfg), cfg)

@@ -1,5 +1,5 @@
-"""Session fixtures for the offline tiny model (register them in conftest.py with
-``pytest_plugins = ["fixtures_tiny"]``).
+"""Session fixtures for the offline tiny model, registered in conftest.py with
+``from fixtures_tiny import tiny_corpus, tiny_model_dir``.
 
 The tokenizer is trained on the real wiki-18 sample when ../shared/data (or $SCOPE_DATA_DIR) has it, else on
 a small synthetic corpus written here, so torch-path tests never skip for want of data. The model is built

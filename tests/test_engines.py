@@ -24,7 +24,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from fixtures_tiny import tiny_corpus, tiny_model_dir  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.config import validate_params
@@ -45,12 +44,12 @@ QUESTIONS = ["Who?", "What did Evan Morris lobby for in Washington, and for whic
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):  # noqa: F811
+def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir):  # noqa: F811
+def model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
@@ -220,7 +219,7 @@ def test_hf_chunks_keep_order(model, tokenizer):
         engine.generate([[]], Sampling(max_new_tokens=5))
 
 
-def test_hf_lora_adapters(tiny_model_dir, tokenizer):  # noqa: F811
+def test_hf_lora_adapters(tiny_model_dir, tokenizer):
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -258,7 +257,7 @@ def test_hf_lora_adapters(tiny_model_dir, tokenizer):  # noqa: F811
         plain.generate(prompts, greedy, adapter="solver")
 
 
-def test_hf_adapters_loaded_into_a_transformers_model(tiny_model_dir, tokenizer):  # noqa: F811
+def test_hf_adapters_loaded_into_a_transformers_model(tiny_model_dir, tokenizer):
     from peft import LoraConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -289,14 +288,14 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed; the missing-vLLM message cannot be checked")
-def test_vllm_engine_without_vllm_names_the_gpu_extra(tiny_model_dir):  # noqa: F811
+def test_vllm_engine_without_vllm_names_the_gpu_extra(tiny_model_dir):
     with pytest.raises(ImportError, match=r"\.\[gpu\]"):
         VLLMEngine(tiny_model_dir)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="needs CUDA and vLLM (the gpu extra)")
-def test_vllm_engine_contract(tiny_model_dir, tokenizer):  # noqa: F811
+def test_vllm_engine_contract(tiny_model_dir, tokenizer):
     engine = VLLMEngine(tiny_model_dir, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True)
     prompts = chat_prompts(tokenizer)
     free = engine.generate(prompts, Sampling(max_new_tokens=24, seed=7))
@@ -320,7 +319,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served_tiny(tiny_model_dir, tmp_path_factory):  # noqa: F811
+def served_tiny(tiny_model_dir, tmp_path_factory):
     """`transformers serve` on loopback with the tiny model (CPU); yields its base URL."""
     cli = Path(sys.executable).with_name("transformers")
     if not cli.is_file() or importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
@@ -357,7 +356,7 @@ def served_tiny(tiny_model_dir, tmp_path_factory):  # noqa: F811
             proc.wait()
 
 
-def test_openai_engine_against_transformers_serve(served_tiny, tiny_model_dir, tokenizer):  # noqa: F811
+def test_openai_engine_against_transformers_serve(served_tiny, tiny_model_dir, tokenizer):
     engine = OpenAIEngine(served_tiny, str(tiny_model_dir), tokenizer, concurrency=4, max_retries=1,
                           backoff_s=0.05)
     prompts = chat_prompts(tokenizer, QUESTIONS + ["One more question?"])
@@ -475,7 +474,7 @@ def test_openai_engine_tokens_mode_retries_and_concurrency(tokenizer):
 # -- factory ---------------------------------------------------------------------------------------
 
 
-def test_make_engine(model, tokenizer, tiny_corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_make_engine(model, tokenizer, tiny_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path))
     params = validate_params({"model": {"base": "tiny"}, "engine": {"backend": "hf", "judge_backend": "openai"},
                               "retrieval": {"corpus": str(tiny_corpus)}})

@@ -13,8 +13,15 @@ from scope_lib.corpus import read_corpus
 from scope_lib.dialects import get_dialect
 from scope_lib.judge import Judge
 from scope_lib.retrieval import Hit, build_or_open_index
-from scope_lib.rollout import (apportion, challenger_trajectories, make_challenger_prompts, new_trajectory,
-                               per_turn_datums, run_rollouts, solver_messages)
+from scope_lib.rollout import (
+    apportion,
+    challenger_trajectories,
+    make_challenger_prompts,
+    new_trajectory,
+    per_turn_datums,
+    run_rollouts,
+    solver_messages,
+)
 from scope_lib.selfplay import challenger_limits, evaluate_tasks, filter_tasks, solver_limits, solver_rewards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,3 +219,35 @@ def test_qwen3_per_turn_datums_drop_earlier_thinking(params, retriever, passages
         assert tok.decode(datum.completion_ids) == traj.turns[k]   # the turn itself is kept whole
     # the full token stream still holds every turn's thinking (for reference)
     assert tok.decode(traj.model_token_ids()).count("<think>") == len(traj.turns)
+
+
+def test_rubric_analysis_tables(params, retriever, passages, tiny_tokenizer):
+    """The tables notebook 03 shows, on tasks the scripted engine carries through the whole pipeline."""
+    from scope_lib.analysis import (
+        compare_rubric_writers,
+        grader_agreement,
+        grading_pairs,
+        rubric_table,
+        verdict_table,
+    )
+
+    dialect, tok = get_dialect("qwen2.5"), tiny_tokenizer
+    engine = ScriptedEngine(tok, dialect)
+    prompts, trajs = _challenger_batch(passages, dialect, tok, n=4)
+    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(params))
+    judge = Judge(engine, params.judge)
+    evals, graded, _ = evaluate_tasks(trajs, {p.id: p for p in prompts}, params=params, judge=judge,
+                                      solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    rubrics = rubric_table(evals, trajs, prompts)
+    assert len(rubrics) == 3 * len(evals)
+    # the scripted rubrics name the entities the Challenger searched: titles found in its evidence
+    assert rubrics["entity"].mean() > 0.5 and rubrics["command verb"].all()
+    verdicts = verdict_table(evals)
+    assert len(verdicts) == 3 * 2 * len(evals)
+    assert set(verdicts["verdict"]) <= {0, 1} and 0 < verdicts["verdict"].mean() < 1
+    side = compare_rubric_writers(evals, [e.rubrics for e in evals], "A", "B")
+    assert (side["word overlap"] == 1.0).all()
+    pairs = grading_pairs(evals, graded)
+    assert len(pairs) == len(verdicts)
+    regraded = judge.grade([p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs])
+    assert grader_agreement([p[3] for p in pairs], regraded)["agreement"] == 1.0

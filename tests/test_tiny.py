@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_tiny import tiny_corpus, tiny_model_dir, write_synthetic_corpus  # noqa: F401
+from fixtures_tiny import write_synthetic_corpus
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib import tiny
@@ -24,7 +24,7 @@ def small_corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):  # noqa: F811
+def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -49,7 +49,7 @@ def test_build_is_deterministic_by_seed(small_corpus, tmp_path):
     assert info["config"]["seed"] == 0 and info["vocab_size"] <= SMALL["vocab_size"]
 
 
-def test_loads_offline_as_qwen3(tiny_model_dir, tokenizer):  # noqa: F811
+def test_loads_offline_as_qwen3(tiny_model_dir, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     cfg = TinyModelConfig()
     assert model.config.model_type == "qwen3"
@@ -168,3 +168,5 @@ def test_corpus_errors_name_the_file_and_line(tmp_path):
     empty.write_text("\n")
     with pytest.raises(tiny.TinyModelError, match="no passages"):
         tiny.build_tiny_model(tmp_path / "out", empty, TinyModelConfig(**SMALL))
+    with pytest.raises(tiny.TinyModelError, match="hidden_size"):
+        tiny.build_tiny_model(tmp_path / "out", bad, TinyModelConfig(**{**SMALL, "num_heads": 3}))

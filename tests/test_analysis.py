@@ -1,0 +1,52 @@
+"""Rubric specificity (Table 10, quantified) and judge agreement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scope_lib.analysis import grader_agreement, rubric_overlap, rubric_specificity, starts_with_command_verb
+from scope_lib.parsing import Rubric
+
+SOURCE = ("David Tuckman proposed a $150 million arena in Bellevue, Washington in 2001 and bought a CBA "
+          "franchise for $125,000 in 2003, making the team the anchor tenant.")
+
+
+@pytest.mark.parametrize("rubric, entity, number, date", [
+    # Table 10: the Qwen3-4B rubrics restate the prompt, the 8B and 32B rubrics name source facts
+    ("Identifies key events and motivations of Tuckman's initiative.", True, False, False),
+    ("Accurately summarises financial details and project goals.", False, False, False),
+    ("Synthesises essential information without omitting the $150 million project and 2001 proposal.",
+     False, True, True),
+    ("Correctly attributes the $125,000 franchise purchase to Tuckman in 2003.", True, True, True),
+    ("Identifies the 1997 merger with Roche.", False, False, False),   # Roche, 1997 are not in the source
+])
+def test_rubric_specificity_against_the_source(rubric, entity, number, date):
+    s = rubric_specificity(rubric, SOURCE)
+    assert (s.entity, s.number, s.date) == (entity, number, date)
+    assert s.specific == (entity or number or date)
+
+
+def test_command_verbs():
+    assert starts_with_command_verb("Identifies the arena cost.")
+    assert not starts_with_command_verb("The response identifies the arena cost.")
+
+
+def test_grader_agreement_and_kappa():
+    assert grader_agreement([1, 0, 1, 1], [1, 0, 1, 1]) == {"pairs": 4, "agreement": 1.0, "kappa": 1.0}
+    result = grader_agreement([1, 1, 0, 0], [1, 0, 1, 0])
+    assert result["agreement"] == 0.5 and result["kappa"] == pytest.approx(0.0)
+    assert grader_agreement([1, None], [1, 0])["agreement"] == 1.0      # None counts as 0
+    assert math.isnan(grader_agreement([], [])["kappa"])
+    with pytest.raises(ValueError, match="different numbers"):
+        grader_agreement([1], [1, 0])
+
+
+def test_rubric_overlap():
+    a = [Rubric("Incorporates the $150 million arena cost.", "critical")]
+    b = [Rubric("Provides the arena cost and its opening year.", "important")]
+    c = [Rubric("Explains the poem's metre.", "bonus")]
+    assert rubric_overlap(a, a) == 1.0
+    assert 0 < rubric_overlap(a, b) < 1
+    assert rubric_overlap(a, c) == 0.0
