@@ -25,14 +25,23 @@ def repo_root(start: Path | None = None) -> Path:
 
 
 def init(params: str, overrides: list[str] | None = None, *, level: int = logging.INFO) -> Params:
-    """chdir to the repository root, configure logging for a report, and load the parameters."""
+    """chdir to the repository root, configure logging and figures for a report, and load the parameters."""
     os.chdir(repo_root())
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("httpx", "chromadb", "urllib3", "sentence_transformers", "transformers", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    _report_figures()
     loaded = load_params(params, overrides or [])
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
     return loaded
+
+
+def _report_figures() -> None:
+    """Plotly figures carry both the interactive mimetype (JupyterLab) and an HTML rendering that loads
+    plotly.js from its CDN, so executed notebooks exported to HTML keep their figures."""
+    import plotly.io as pio
+
+    pio.renderers.default = "plotly_mimetype+notebook_connected"
 
 
 @dataclass
