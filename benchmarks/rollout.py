@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -79,7 +78,6 @@ def main() -> None:
     parser.add_argument("--no-nudge", dest="nudge", action="store_false",
                         help="do not bias the tiny model toward search actions (it then rarely searches)")
     args = parser.parse_args()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     params = notebook.init(args.params, args.override)
     c = notebook.components(params)

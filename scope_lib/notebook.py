@@ -38,10 +38,13 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
 
 def _report_figures() -> None:
     """Plotly figures carry both the interactive mimetype (JupyterLab) and an HTML rendering that loads
-    plotly.js from its CDN, so executed notebooks exported to HTML keep their figures."""
+    plotly.js from its CDN, so executed notebooks exported to HTML keep their figures. Weight-loading
+    progress bars are kept out of the reports."""
     import plotly.io as pio
+    from transformers.utils import logging as hf_logging
 
     pio.renderers.default = "plotly_mimetype+notebook_connected"
+    hf_logging.disable_progress_bar()
 
 
 @dataclass

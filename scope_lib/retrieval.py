@@ -841,11 +841,22 @@ def format_results(hits: list[Hit], tokenizer: Any = None, max_tokens: int = 500
     (the Search-R1 / SCOPE layout), neutralised, and cut at a token boundary so the WHOLE string is at most
     `max_tokens` tokens of `tokenizer` (``encode(s, add_special_tokens=False)``; None approximates tokens
     by whitespace-separated words). A block cut inside its header line is dropped."""
-    blocks = [_format_block(rank, hit) for rank, hit in enumerate(hits, start=1)]
-    text = "\n\n".join(header + body for header, body in blocks)
+    return format_results_batch([hits], tokenizer, max_tokens)[0]
+
+
+def format_results_batch(hits_per_query: list[list[Hit]], tokenizer: Any = None,
+                         max_tokens: int = 500) -> list[str]:
+    """`format_results` for every query of a batch, tokenising all of them in one tokenizer call."""
+    blocks = [[_format_block(rank, hit) for rank, hit in enumerate(hits, start=1)] for hits in hits_per_query]
+    texts = ["\n\n".join(header + body for header, body in parts) for parts in blocks]
     if max_tokens <= 0:
-        return ""
-    cut = _truncate(text, tokenizer, max_tokens)
+        return ["" for _ in texts]
+    return [_whole_blocks(text, cut, parts)
+            for text, cut, parts in zip(texts, _truncate_batch(texts, tokenizer, max_tokens), blocks, strict=True)]
+
+
+def _whole_blocks(text: str, cut: str, blocks: list[tuple[str, str]]) -> str:
+    """`cut` (a prefix of `text`) without a trailing block whose header line it splits."""
     if len(cut) == len(text):
         return text
     start = 0
@@ -865,37 +876,46 @@ def count_tokens(text: str, tokenizer: Any = None) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _truncate(text: str, tokenizer: Any, max_tokens: int) -> str:
-    """The longest prefix of `text` ending at a token boundary with at most `max_tokens` tokens."""
+def _truncate_batch(texts: list[str], tokenizer: Any, max_tokens: int) -> list[str]:
+    """For each text, its longest prefix ending at a token boundary with at most `max_tokens` tokens."""
     if tokenizer is None:
-        words = list(re.finditer(r"\S+", text))
-        return text if len(words) <= max_tokens else text[:words[max_tokens - 1].end()]
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= max_tokens:
-        return text
-    ends = _token_ends(text, tokenizer, ids)
-    n = max_tokens
-    while n > 0:
-        cut = ends[n - 1] if ends is not None else tokenizer.decode(ids[:n]).rstrip("\ufffd")
-        if count_tokens(cut, tokenizer) <= max_tokens:  # re-tokenising a prefix can merge differently
-            return cut
-        n -= 1
-    return ""
+        cuts = []
+        for text in texts:
+            words = list(re.finditer(r"\S+", text))
+            cuts.append(text if len(words) <= max_tokens else text[:words[max_tokens - 1].end()])
+        return cuts
+    prefixes: dict[int, Any] = {}  # text index -> the text of its first n tokens, for texts over budget
+    if getattr(tokenizer, "is_fast", False):  # one call gives every text's tokens and character offsets
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        for i, (text, offsets) in enumerate(zip(texts, encoded["offset_mapping"], strict=True)):
+            if len(offsets) > max_tokens:
+                prefixes[i] = lambda n, t=text, o=offsets: t[:max(end for _, end in o[:n])]
+    else:
+        for i, text in enumerate(texts):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) > max_tokens:
+                prefixes[i] = lambda n, ids=ids: tokenizer.decode(ids[:n]).rstrip("\ufffd")
+    return _fit(texts, prefixes, tokenizer, max_tokens)
 
 
-def _token_ends(text: str, tokenizer: Any, ids: list[int]) -> list[str] | None:
-    """Prefixes of `text` ending where each token ends (fast tokenizers' offsets), else None."""
-    try:
-        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    except (TypeError, ValueError, NotImplementedError, KeyError):
-        return None
-    if len(offsets) != len(ids):
-        return None
-    ends, high = [], 0
-    for _, end in offsets:
-        high = max(high, end)
-        ends.append(text[:high])
-    return ends
+def _fit(texts: list[str], prefixes: dict[int, Any], tokenizer: Any, max_tokens: int) -> list[str]:
+    """Replace each over-budget text by its longest `prefixes[i](n)` that re-tokenises to at most `max_tokens`
+    tokens (re-tokenising a prefix can merge differently, so candidates are counted, in one call per round)."""
+    cuts = list(texts)
+    pending = dict.fromkeys(prefixes, max_tokens)
+    while pending:
+        candidates = {i: prefixes[i](n) for i, n in pending.items()}
+        counts = tokenizer(list(candidates.values()), add_special_tokens=False)["input_ids"]
+        still = {}
+        for (i, cut), ids in zip(candidates.items(), counts, strict=True):
+            if len(ids) <= max_tokens:
+                cuts[i] = cut
+            elif pending[i] > 1:
+                still[i] = pending[i] - 1
+            else:
+                cuts[i] = ""
+        pending = still
+    return cuts
 
 
 def passages_sha256(passages: Iterable[Passage]) -> str:
@@ -912,6 +932,6 @@ __all__ = [
     "BuildStats", "ChromaRetriever", "E5Embedder", "HashingEmbedder", "Hit", "HttpRetriever",
     "IndexMismatchError", "MiniLMOfflineEmbedder", "RetrievalError", "Retriever", "RetrieverUnavailable",
     "ScopeEmbedder", "build_index", "build_or_open_index", "cached_corpus_sha256", "count_tokens",
-    "format_results", "index_fingerprint", "index_path", "make_chroma_client", "make_embedder", "neutralize",
-    "open_retriever", "passages_sha256", "resolve_device",
+    "format_results", "format_results_batch", "index_fingerprint", "index_path", "make_chroma_client",
+    "make_embedder", "neutralize", "open_retriever", "passages_sha256", "resolve_device",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from scope_lib import parsing, prompts
 from scope_lib.dialects import Dialect, SearchAction
 from scope_lib.engines import Engine, Sampling
-from scope_lib.retrieval import Retriever, format_results
+from scope_lib.retrieval import Retriever, format_results_batch
 
 log = logging.getLogger(__name__)
 
@@ -336,18 +336,18 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             else:
                 traj.searches.append(SearchRecord(turn=turn, query=None, valid=False))
                 malformed.append(traj)
+        replies: list[tuple[Trajectory, str | None]] = [(traj, None) for traj in malformed]
         if searches:
             t0 = time.perf_counter()
             hits = retriever.search([q for _, q in searches], limits.top_k_docs)
             stats.retrieval_s += time.perf_counter() - t0
             stats.retrieval_calls += 1
-            for (traj, query), found in zip(searches, hits, strict=True):
-                results = format_results(found, tokenizer, limits.max_result_tokens)
+            formatted = format_results_batch(hits, tokenizer, limits.max_result_tokens)
+            for (traj, query), found, results in zip(searches, hits, formatted, strict=True):
                 traj.searches.append(SearchRecord(turn=turn, query=query, valid=True,
                                                   hit_ids=[h.id for h in found], results=results))
-                _add_environment(traj, dialect, tokenizer, results)
-        for traj in malformed:
-            _add_environment(traj, dialect, tokenizer, None)
+                replies.append((traj, results))
+        _add_environment(replies, dialect, tokenizer)
     for traj in trajectories:
         if not traj.done:
             traj.finish = "max_turns"
@@ -357,11 +357,17 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
     return stats
 
 
-def _add_environment(traj: Trajectory, dialect: Dialect, tokenizer, results: str | None) -> None:
-    messages = _environment_messages(traj, dialect, results)
-    text = dialect.environment_text(tokenizer, messages)
-    _append(traj, tokenizer.encode(text, add_special_tokens=False), 0)
-    traj.messages.extend(messages)
+def _add_environment(replies: list[tuple[Trajectory, str | None]], dialect: Dialect, tokenizer) -> None:
+    """The environment's turn for each continuing trajectory (search results, or None after a malformed
+    action), tokenised in one tokenizer call."""
+    if not replies:
+        return
+    messages = [_environment_messages(traj, dialect, results) for traj, results in replies]
+    texts = [dialect.environment_text(tokenizer, m) for m in messages]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    for (traj, _), new, ids in zip(replies, messages, encoded, strict=True):
+        _append(traj, list(ids), 0)
+        traj.messages.extend(new)
 
 
 def _finalise(traj: Trajectory) -> None:

@@ -3,23 +3,18 @@ saying why, when it is absent."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from fixtures_tiny import shared_data_dir, tiny_corpus, tiny_model_dir  # noqa: F401  (session fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _shared_data_dir() -> Path:
-    env = os.environ.get("SCOPE_DATA_DIR")
-    return Path(env) if env else REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real public samples (Wikipedia passages, QA sets, open-ended prompts)."""
-    path = _shared_data_dir()
+    path = shared_data_dir()
     if not (path / "wiki18_sample.jsonl").is_file():
         pytest.skip(f"real data not found at {path} (set SCOPE_DATA_DIR or put ../shared/data beside the repo)")
     return path
@@ -39,7 +34,6 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
-from fixtures_tiny import tiny_corpus, tiny_model_dir  # noqa: E402,F401  (session fixtures)
 
 
 @pytest.fixture(scope="session")

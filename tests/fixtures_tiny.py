@@ -23,9 +23,14 @@ _WORDS = ("the", "of", "and", "in", "was", "a", "river", "city", "born", "album"
           "village", "district", "series", "novel", "band", "school", "bridge", "railway", "language")
 
 
-def _shared_sample() -> Path:
+def shared_data_dir() -> Path:
+    """$SCOPE_DATA_DIR (made absolute: tests and notebooks change directory), else ../shared/data."""
     env = os.environ.get("SCOPE_DATA_DIR")
-    return (Path(env) if env else REPO.parent / "shared" / "data") / "wiki18_sample.jsonl"
+    return Path(env).resolve() if env else REPO.parent / "shared" / "data"
+
+
+def _shared_sample() -> Path:
+    return shared_data_dir() / "wiki18_sample.jsonl"
 
 
 def write_synthetic_corpus(path: Path, n_passages: int = 300, seed: int = 0) -> Path:

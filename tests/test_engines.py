@@ -12,8 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,9 +19,9 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
+from servers import free_port, server_process
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.config import validate_params
@@ -312,12 +310,6 @@ def test_vllm_engine_contract(tiny_model_dir, tokenizer):
 # -- OpenAI-compatible HTTP ------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served_tiny(tiny_model_dir, tmp_path_factory):
     """`transformers serve` on loopback with the tiny model (CPU); yields its base URL."""
@@ -328,32 +320,11 @@ def served_tiny(tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HOME": str(log_path.parent / "hf")}
-    with log_path.open("w") as log_file:
-        proc = subprocess.Popen([str(cli), "serve", str(tiny_model_dir), "--device", "cpu", "--host", "127.0.0.1",
-                                 "--port", str(port), "--log-level", "warning"],
-                                stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"transformers serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"transformers serve not healthy after 120 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+    command = [str(cli), "serve", str(tiny_model_dir), "--device", "cpu", "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning"]
+    with server_process(command, f"{url}/health", log_path, env=env):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_openai_engine_against_transformers_serve(served_tiny, tiny_model_dir, tokenizer):

@@ -4,10 +4,7 @@ search, recall on the labelled real-sample questions, and the formatting the pol
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +12,7 @@ import pytest
 from fixtures_tiny import tiny_corpus, tiny_model_dir  # noqa: F401
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers import free_port, server_process
 
 from scope_lib.config import RetrievalConfig, load_params
 from scope_lib.corpus import Passage, read_corpus
@@ -30,6 +28,7 @@ from scope_lib.retrieval import (
     build_or_open_index,
     count_tokens,
     format_results,
+    format_results_batch,
     make_chroma_client,
     make_embedder,
     neutralize,
@@ -394,43 +393,16 @@ def test_labelled_questions_name_real_passages(sample):
 # -- chroma server mode --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def chroma_server(tmp_path):
-    import httpx
-
     chroma = Path(sys.executable).parent / "chroma"
     if not chroma.is_file():
         pytest.skip(f"the chroma CLI is not installed beside {sys.executable}")
-    port = _free_port()
-    log = (tmp_path / "chroma.log").open("w")
-    process = subprocess.Popen([str(chroma), "run", "--path", str(tmp_path / "db"), "--port", str(port),
-                                "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/v2/heartbeat", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"chroma server did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}")
-            time.sleep(0.2)
+    port = free_port()
+    command = [str(chroma), "run", "--path", str(tmp_path / "db"), "--port", str(port), "--host", "127.0.0.1"]
+    with server_process(command, f"http://127.0.0.1:{port}/api/v2/heartbeat", tmp_path / "chroma.log",
+                        timeout_s=60):
         yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def test_chroma_server_mode_builds_and_queries(sample, chroma_server):
@@ -446,7 +418,7 @@ def test_chroma_server_mode_builds_and_queries(sample, chroma_server):
 
 
 def test_unreachable_chroma_server_says_how_to_start_one():
-    cfg = hashing_cfg(chroma_mode="server", chroma_port=_free_port())
+    cfg = hashing_cfg(chroma_mode="server", chroma_port=free_port())
     with pytest.raises(RetrieverUnavailable, match="chroma run"):
         make_chroma_client(cfg)
 
@@ -529,6 +501,39 @@ def test_truncation_respects_the_token_budget(sample, tiny_tokenizer):
         assert not out.endswith("(Title:")
     assert count_tokens(format_results(hits, tiny_tokenizer, 500), tiny_tokenizer) >= 480  # budget used
     assert format_results(hits, tiny_tokenizer, n_full) == full
+
+
+class _SlowTokenizer:
+    """The real tiny tokenizer seen as a slow (Python) tokenizer: no character offsets."""
+
+    is_fast = False
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def encode(self, text, add_special_tokens=False):
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids):
+        return self.inner.decode(ids)
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in texts]}
+
+
+def test_batched_truncation_matches_one_by_one_for_fast_and_slow_tokenizers(sample, tiny_tokenizer):
+    hit_lists = [[Hit(p.id, p.title, p.text, 0.5) for p in sample[i:i + 3]] for i in range(0, 24, 3)]
+    slow = _SlowTokenizer(tiny_tokenizer)
+    for budget in (7, 120, 500):
+        batched = format_results_batch(hit_lists, tiny_tokenizer, budget)
+        assert batched == [format_results(hits, tiny_tokenizer, budget) for hits in hit_lists]
+        for hits, fast_out, slow_out in zip(hit_lists, batched, format_results_batch(hit_lists, slow, budget)):
+            full = format_results(hits, None, 100_000)
+            for out in (fast_out, slow_out):
+                assert full.startswith(out) and count_tokens(out, tiny_tokenizer) <= budget
+            assert abs(count_tokens(fast_out, tiny_tokenizer) - count_tokens(slow_out, tiny_tokenizer)) <= 2
+        if budget == 120:  # every text is longer: each cut uses (nearly) the whole budget
+            assert all(count_tokens(out, tiny_tokenizer) >= 110 for out in batched)
 
 
 def test_truncation_without_tokenizer_counts_words(sample):

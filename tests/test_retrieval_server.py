@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from servers import free_port
 
 from scope_lib.config import RetrievalConfig, load_params
 from scope_lib.corpus import read_corpus
@@ -23,12 +23,6 @@ from scope_lib.retrieval import (
     passages_sha256,
 )
 from scope_lib.retrieval_server import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server:
