@@ -69,6 +69,14 @@ def row(name: str, stats, engine_calls: int) -> dict:
             "overhead / generation": stats.get("ratio", "-")}
 
 
+def rollout_row(name: str, n: int, s, engine_calls: int) -> dict:
+    """A table row from a run_rollouts RolloutStats."""
+    return row(name, {"items": n, "turns": s.turns, "per_turn": round(engine_calls / max(s.turns, 1), 2),
+                      "tokens": s.generated_tokens, "gen": round(s.generation_s, 3), "ret": round(s.retrieval_s, 3),
+                      "over": round(s.overhead_s, 3), "ratio": f"{s.overhead_s / max(s.generation_s, 1e-9):.1%}"},
+               engine_calls)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params/smoke.yaml")
@@ -87,22 +95,14 @@ def main() -> None:
 
     calls = c.policy.calls
     _, trajectories, s = notebook.challenger_batch(c, args.documents)
-    rows.append(row("challenger rollouts", {
-        "items": len(trajectories), "turns": s.turns, "per_turn": round((c.policy.calls - calls) / max(s.turns, 1), 2),
-        "tokens": s.generated_tokens, "gen": round(s.generation_s, 3), "ret": round(s.retrieval_s, 3),
-        "over": round(s.overhead_s, 3), "ratio": f"{s.overhead_s / max(s.generation_s, 1e-9):.1%}"},
-        c.policy.calls - calls))
+    rows.append(rollout_row("challenger rollouts", len(trajectories), s, c.policy.calls - calls))
 
     qs = questions(params.data_dir, args.questions)
     solvers = [new_trajectory(f"q{i}", "solver", solver_messages(q, c.dialect, params.solver.max_searches),
                               c.tokenizer, max_searches=params.solver.max_searches) for i, q in enumerate(qs)]
     calls = c.policy.calls
     s = run_rollouts(solvers, c.policy, c.retriever, c.dialect, solver_limits(params))
-    rows.append(row("solver rollouts", {
-        "items": len(solvers), "turns": s.turns, "per_turn": round((c.policy.calls - calls) / max(s.turns, 1), 2),
-        "tokens": s.generated_tokens, "gen": round(s.generation_s, 3), "ret": round(s.retrieval_s, 3),
-        "over": round(s.overhead_s, 3), "ratio": f"{s.overhead_s / max(s.generation_s, 1e-9):.1%}"},
-        c.policy.calls - calls))
+    rows.append(rollout_row("solver rollouts", len(solvers), s, c.policy.calls - calls))
 
     # Judge stages on real prompts: the questions stand in for tasks, their top passages for sources.
     sources = [hits[0].text for hits in c.retriever.search(qs, 1)]

@@ -682,7 +682,8 @@ def load_tokenizer(params: Params, role: Role = "policy"):
     return tokenizer
 
 
-def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=None, name: str | None = None) -> Engine:
+def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=None,
+                name: str | None = None) -> Engine:
     """The engine for a role from `params.engine`: the policy (Challenger/Solver rollouts) or the Judge.
 
     hf: uses `model`/`tokenizer` when given (e.g. the PeftModel being trained), else loads M0 (or

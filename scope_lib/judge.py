@@ -72,7 +72,8 @@ class Judge:
     def gates(self, tasks: list[str], source_documents: list[str]) -> list[GateOutcome]:
         """Every configured gate for every task, in one call."""
         gates = list(self.cfg.gates)
-        texts = [prompts.gate_prompt(g, task, doc) for task, doc in zip(tasks, source_documents, strict=True) for g in gates]
+        texts = [prompts.gate_prompt(g, task, doc)
+                 for task, doc in zip(tasks, source_documents, strict=True) for g in gates]
         sampling = self._sampling(self.cfg.gate_max_tokens, self.cfg.gate_temperature, "</score>")
         scores = self._run("gates", self.gate_engine, texts, sampling, parsing.parse_score)
         return [GateOutcome(dict(zip(gates, scores[i * len(gates):(i + 1) * len(gates)], strict=True)))
@@ -80,7 +81,8 @@ class Judge:
 
     def rubrics(self, task_types: list[str], tasks: list[str], documents: list[list[str]]) -> list[list[Rubric] | None]:
         """3-5 rubrics per task from its context documents (the source, or source + evidence), in one call."""
-        texts = [prompts.rubric_prompt(tt, task, docs) for tt, task, docs in zip(task_types, tasks, documents, strict=True)]
+        texts = [prompts.rubric_prompt(tt, task, docs)
+                 for tt, task, docs in zip(task_types, tasks, documents, strict=True)]
         sampling = self._sampling(self.cfg.rubric_max_tokens, self.cfg.rubric_temperature, "</rubrics>")
 
         def parse(reply: str) -> list[Rubric] | None:

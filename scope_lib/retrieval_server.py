@@ -116,7 +116,8 @@ def serve(params: Params, host: str = "127.0.0.1", port: int = 8000) -> None:
 
 @contextmanager
 def background_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
-                      default_topk: int = 3, timeout_s: float = 30.0) -> Iterator[str]:
+                      default_topk: int = 3, timeout_s: float = 30.0,
+                      max_queries: int = MAX_QUERIES) -> Iterator[str]:
     """Serve `retriever` from a thread for the duration of a `with` block; yields the base URL. Port 0
     picks a free port. For notebooks and tests; `serve` is the long-running command."""
     import socket
@@ -128,8 +129,8 @@ def background_server(retriever: Retriever, host: str = "127.0.0.1", port: int =
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(retriever, default_topk=default_topk), host=host,
-                                           port=port, log_level="warning"))
+    app = create_app(retriever, default_topk=default_topk, max_queries=max_queries)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

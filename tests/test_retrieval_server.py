@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from servers import free_port
 
 from scope_lib.config import RetrievalConfig, load_params
@@ -22,30 +20,7 @@ from scope_lib.retrieval import (
     open_retriever,
     passages_sha256,
 )
-from scope_lib.retrieval_server import create_app
-
-
-class _Server:
-    """uvicorn serving `app` in a thread on a free loopback port."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start within 20 s")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+from scope_lib.retrieval_server import background_server
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +33,13 @@ def index(wiki_sample: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(index):
-    with _Server(create_app(index, default_topk=3)) as running:
-        yield running
+    with background_server(index, default_topk=3) as url:
+        yield url
 
 
 def test_retrieve_answers_in_search_r1_shape(server, index):
     queries = ["Horse Mesa Dam Apache Lake Salt River", "Genentech lobbyist Roche"]
-    response = httpx.post(f"{server.url}/retrieve", json={"queries": queries, "topk": 2, "return_scores": True})
+    response = httpx.post(f"{server}/retrieve", json={"queries": queries, "topk": 2, "return_scores": True})
     assert response.status_code == 200
     result = response.json()["result"]
     assert len(result) == 2 and all(len(items) == 2 for items in result)
@@ -77,20 +52,20 @@ def test_retrieve_answers_in_search_r1_shape(server, index):
 
 
 def test_default_topk_and_documents_without_scores(server):
-    response = httpx.post(f"{server.url}/retrieve", json={"queries": ["Genentech"], "return_scores": False})
+    response = httpx.post(f"{server}/retrieve", json={"queries": ["Genentech"], "return_scores": False})
     assert response.status_code == 200
     items = response.json()["result"][0]
     assert len(items) == 3 and set(items[0]) == {"id", "contents"}
 
 
 def test_health_reports_documents_and_embedder(server):
-    body = httpx.get(f"{server.url}/health").json()
+    body = httpx.get(f"{server}/health").json()
     assert body == {"status": "ok", "documents": 300, "embedder": "scope-hashing (hashing-v1-dim384)"}
 
 
 def test_http_retriever_round_trips_hits(server, index):
     queries = ["Horse Mesa Dam", "", "Which lobbyist for Genentech died in 2015?"]
-    with HttpRetriever(server.url, timeout_s=10) as client:
+    with HttpRetriever(server, timeout_s=10) as client:
         remote = client.search(queries, k=3)
         assert client.health()["documents"] == 300
     local = index.search(queries, 3)
@@ -115,22 +90,22 @@ def test_http_retriever_round_trips_hits(server, index):
     ["ok"],
 ])
 def test_bad_payloads_get_422(server, payload):
-    response = httpx.post(f"{server.url}/retrieve", json=payload)
+    response = httpx.post(f"{server}/retrieve", json=payload)
     assert response.status_code == 422, response.text
     assert response.json()["detail"]
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"", b"null", b'{"queries": ["a"]'])
 def test_malformed_json_gets_4xx(server, body):
-    response = httpx.post(f"{server.url}/retrieve", content=body, headers={"content-type": "application/json"})
+    response = httpx.post(f"{server}/retrieve", content=body, headers={"content-type": "application/json"})
     assert 400 <= response.status_code < 500, response.text
 
 
 def test_too_many_queries_get_413(index):
-    with _Server(create_app(index, max_queries=4)) as small:
-        response = httpx.post(f"{small.url}/retrieve", json={"queries": ["a"] * 5})
+    with background_server(index, max_queries=4) as small:
+        response = httpx.post(f"{small}/retrieve", json={"queries": ["a"] * 5})
         assert response.status_code == 413 and "at most 4" in response.json()["detail"]
-        assert httpx.post(f"{small.url}/retrieve", json={"queries": ["a"] * 4}).status_code == 200
+        assert httpx.post(f"{small}/retrieve", json={"queries": ["a"] * 4}).status_code == 200
 
 
 class _Broken:
@@ -139,10 +114,10 @@ class _Broken:
 
 
 def test_retriever_failure_gets_503_and_client_names_the_server():
-    with _Server(create_app(_Broken())) as broken:
-        response = httpx.post(f"{broken.url}/retrieve", json={"queries": ["a"]})
+    with background_server(_Broken()) as broken:
+        response = httpx.post(f"{broken}/retrieve", json={"queries": ["a"]})
         assert response.status_code == 503 and "index on fire" in response.json()["detail"]
-        client = HttpRetriever(broken.url, timeout_s=5, retries=1, backoff_s=0.01)
+        client = HttpRetriever(broken, timeout_s=5, retries=1, backoff_s=0.01)
         with pytest.raises(RetrieverUnavailable, match="503"):
             client.search(["a"])
 
@@ -157,7 +132,7 @@ def test_unreachable_server_names_url_and_remedy():
 
 
 def test_client_error_is_not_retried(server):
-    client = HttpRetriever(server.url, timeout_s=5, retries=3, backoff_s=5.0)
+    client = HttpRetriever(server, timeout_s=5, retries=3, backoff_s=5.0)
     started = time.monotonic()
     with pytest.raises(RetrievalError, match="422"):
         client.search(["ok"], k=1000)  # topk > 100: rejected at once, no 5 s backoff
@@ -165,15 +140,13 @@ def test_client_error_is_not_retried(server):
 
 
 def test_open_retriever_http_backend(server):
-    params = load_params(overrides={"retrieval.backend": "http", "retrieval.server_url": server.url + "/"})
+    params = load_params(overrides={"retrieval.backend": "http", "retrieval.server_url": server + "/"})
     retriever = open_retriever(params)
     assert isinstance(retriever, HttpRetriever)
     assert retriever.search(["Horse Mesa Dam"])[0][0].id == "14"
 
 
 def test_background_server_round_trip_and_shutdown():
-    from scope_lib.retrieval_server import background_server
-
     class OneHit:
         def search(self, queries, k=None):
             return [[Hit(id="7", title="T", text=q, score=0.5)] for q in queries]
