@@ -76,11 +76,18 @@ class JudgeConfig(Section):
         ["entity_identifiability", "source_relevance"],
         description="Quality gates QG(q, d) applied to each task (§3.1); all must pass.")
     gate_temperature: float = Field(0.0, ge=0.0, description="Gate sampling temperature.")
-    gate_max_tokens: int = Field(256, ge=1, description="Gate reply budget (1024 suits thinking models).")
+    gate_max_tokens: int | None = Field(
+        None, ge=1, description="Gate reply budget; None = 1024 for a Judge that thinks natively (Qwen3), "
+        "256 otherwise (the authors' settings).")
     rubric_temperature: float = Field(0.0, ge=0.0, description="Rubric generation temperature (Table 9).")
     rubric_max_tokens: int = Field(8192, ge=1, description="Rubric generation max tokens (Table 9).")
     min_rubrics: int = Field(3, ge=1, description="Fewest rubrics a valid reply holds (Table 9).")
-    max_rubrics: int = Field(10, ge=1, description="Most rubrics a valid reply holds (the prompt asks 3-5).")
+    max_rubrics: int = Field(5, ge=1, description="Most rubrics a valid reply holds: 5, as App. G asks "
+                             "(3-5); the authors' code accepts up to 10.")
+    rubric_prompt: Literal["paper", "grounded"] = Field(
+        "paper", description="Rubric writer prompt: 'paper' = Figure 12's four rules; 'grounded' adds a fifth "
+        "rule asking for rubrics that name concrete facts of the context documents (for small Judges whose "
+        "rubrics restate the task, Table 10).")
     rubric_context: Literal["source", "source+evidence"] = Field(
         "source", description="What the rubric writer reads: the source document d (paper) or d plus "
         "the Challenger's retrieved evidence (the authors' code).")
@@ -90,9 +97,11 @@ class JudgeConfig(Section):
         "filter); None = `grading_temperature`. The authors' code uses 0.0.")
     grading_max_tokens: int = Field(16384, ge=1, description="Grading max tokens (Table 9).")
     native_thinking: bool | None = Field(
-        None, description="Use the grader variant for models that think natively (no <think> "
-        "instruction); None = detect from the dialect (Qwen3).")
-    parse_retries: int = Field(1, ge=0, description="Re-asks for an unparseable reply before scoring 0.")
+        None, description="The Judge thinks natively: grader variant without the <think> instruction, no stop "
+        "at the closing tag, larger gate budget. None = detect from each Judge model's own name (Qwen3).")
+    parse_retries: int = Field(
+        1, ge=0, description="Re-asks for an unparseable reply, with a short corrective instruction (reply "
+        "with only the required tag), before it counts as a failure.")
     rubric_weights: Literal["uniform", "priority"] = Field(
         "uniform", description="w_k in eq. 1: uniform (paper, §4.1) or by priority.")
     priority_weights: dict[str, float] = Field(
@@ -153,7 +162,12 @@ class SelfPlayConfig(Section):
     tasks_per_document: int = Field(1, ge=1, description="At most this many tasks per source document.")
     document_max_tokens: int = Field(256, ge=16, description="Source documents are cut to this many tokens.")
     co_evolution: bool = Field(
-        True, description="True: Stage 1 uses the previous Solver S_{t-1}; False: always S_0 = M0.")
+        True, description="True: the Challenger co-evolves (Stage 1 every iteration, against S_{t-1}). False: "
+        "the §5 ablation: the Challenger is frozen at its iteration-1 checkpoint and the Solver keeps "
+        "training on fresh tasks from it.")
+    rollout_prompt_tokens: int = Field(
+        2048, ge=16, description="Rollout prompt length (Table 9): the rollout engine's cap on a rollout's "
+        "initial prompt; a prompt above min(this, the role's max_prompt_tokens) is not rolled out.")
     seed: int = Field(42, description="Base seed; per-iteration seeds derive from it.")
 
     @model_validator(mode="after")
@@ -189,8 +203,14 @@ class SolverConfig(Section):
 
     batch_size: int = Field(256, ge=1, description="Unique prompts per GRPO update (Table 9).")
     max_prompt_tokens: int = Field(2048, ge=16, description="Max prompt length (Table 9).")
-    max_turns: int = Field(5, ge=1, description="Assistant turns per rollout (§4.1).")
-    max_searches: int = Field(5, ge=0, description="Searches the Solver prompt allows.")
+    max_searches: int = Field(5, ge=0, description="Searches a Solver rollout may make (§4.1: up to 5).")
+    max_turns: int | None = Field(
+        None, ge=1, description="Assistant turns per rollout; None = max_searches + 1 (every search, then the "
+        "answer). More turns leave room to correct a malformed action; fewer is an error.")
+    prompt: Literal["paper", "long_form"] = Field(
+        "paper", description="Solver prompt: 'paper' = Figure 10 (answer 'without detailed illustrations'); "
+        "'long_form' asks for a complete answer in the form the task requests (the paper's wording conflicts "
+        "with long-form tasks, official-implementation facts §11.10).")
     max_new_tokens_per_turn: int = Field(8192, ge=1, description="Generation budget of one turn.")
     max_response_tokens: int = Field(8192, ge=1, description="Budget of all turns together (Table 9).")
     temperature: float = Field(1.0, ge=0.0, description="Rollout temperature in training.")
@@ -212,7 +232,15 @@ class SolverConfig(Section):
     def _limits(self) -> SolverConfig:
         if self.length_hard <= self.length_soft:
             raise ValueError(f"length_hard ({self.length_hard}) must exceed length_soft ({self.length_soft})")
+        if self.max_turns is not None and self.max_turns < self.max_searches + 1:
+            raise ValueError(f"max_turns ({self.max_turns}) must be at least max_searches + 1 "
+                             f"({self.max_searches + 1}): a Solver that uses every search needs a turn to answer")
         return self
+
+    @property
+    def turn_limit(self) -> int:
+        """Assistant turns a rollout may take: max_turns, or every search plus the answer."""
+        return self.max_turns if self.max_turns is not None else self.max_searches + 1
 
 
 class GRPOConfig(Section):

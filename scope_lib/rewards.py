@@ -182,9 +182,9 @@ class FormatScore:
         return (self.think + self.tool + self.final) / 3.0
 
 
-def _think_share(assistant_turns: Sequence[str]) -> float:
+def _think_share(assistant_turns: Sequence[str], starts_in_think: bool = False) -> float:
     turns = list(assistant_turns)
-    return sum(1 for t in turns if has_think(t)) / len(turns) if turns else 0.0
+    return sum(1 for t in turns if has_think(t, starts_in_think=starts_in_think)) / len(turns) if turns else 0.0
 
 
 def _nonempty(text: str | None) -> bool:
@@ -193,10 +193,11 @@ def _nonempty(text: str | None) -> bool:
 
 def challenger_format(assistant_turns: Sequence[str], expected_searches: int, n_valid_searches: int,
                       n_malformed_searches: int, task: str | None, *,
-                      subtract_malformed: bool = False) -> FormatScore:
+                      subtract_malformed: bool = False, starts_in_think: bool = False) -> FormatScore:
     """r_fmt(o^C) (F.1) from the decoded assistant turns.
 
-    - think: share of assistant turns holding a complete ``<think>…</think>`` block.
+    - think: share of assistant turns holding a complete ``<think>…</think>`` block (a lone ``</think>``
+      counts only when the chat template opened the block: ``starts_in_think=True``).
     - tool: valid searches / expected searches N, clamped to [0, 1] (N = 0 expects nothing: 1). As in the
       paper, a malformed search earns nothing and costs nothing here (it already wastes a turn, and the
       rollout may run out of turns before the task). ``subtract_malformed=True`` is the authors' code:
@@ -212,14 +213,15 @@ def challenger_format(assistant_turns: Sequence[str], expected_searches: int, n_
         return FormatScore(0.0, 0.0, 0.0)
     counted = valid - malformed if subtract_malformed else valid
     tool = 1.0 if n_expected == 0 else min(1.0, max(0.0, counted / n_expected))
-    return FormatScore(_think_share(turns), tool, 1.0 if _nonempty(task) else 0.0)
+    return FormatScore(_think_share(turns, starts_in_think), tool, 1.0 if _nonempty(task) else 0.0)
 
 
 def solver_format(assistant_turns: Sequence[str], n_valid_searches_nonfinal: int,
-                  answer: str | None) -> FormatScore:
+                  answer: str | None, *, starts_in_think: bool = False) -> FormatScore:
     """r_fmt(o^S) (F.2) from the decoded assistant turns.
 
-    - think: share of assistant turns holding a complete ``<think>…</think>`` block.
+    - think: share of assistant turns holding a complete ``<think>…</think>`` block (a lone ``</think>``
+      counts only when the chat template opened the block: ``starts_in_think=True``).
     - tool: min(valid searches in the non-final turns / (turns − 1), 1). A single-turn rollout has no
       non-final turn; it scores 0 (the Solver is trained to retrieve, and F.2's ratio is undefined there).
     - answer: 1 if a non-empty answer was extracted.
@@ -229,7 +231,7 @@ def solver_format(assistant_turns: Sequence[str], n_valid_searches_nonfinal: int
     if not turns:
         return FormatScore(0.0, 0.0, 0.0)
     tool = min(1.0, valid / (len(turns) - 1)) if len(turns) > 1 else 0.0
-    return FormatScore(_think_share(turns), tool, 1.0 if _nonempty(answer) else 0.0)
+    return FormatScore(_think_share(turns, starts_in_think), tool, 1.0 if _nonempty(answer) else 0.0)
 
 
 def _format_total(format_score: float | FormatScore) -> float:

@@ -33,7 +33,8 @@ def challenger_limits(params: Params) -> RolloutLimits:
     c = params.challenger
     return RolloutLimits(max_turns=c.max_turns, max_new_tokens_per_turn=c.max_new_tokens_per_turn,
                          max_response_tokens=c.max_response_tokens, max_model_len=params.model.max_model_len,
-                         max_prompt_tokens=c.max_prompt_tokens, temperature=c.temperature, top_p=c.top_p,
+                         max_prompt_tokens=min(c.max_prompt_tokens, params.selfplay.rollout_prompt_tokens),
+                         temperature=c.temperature, top_p=c.top_p,
                          top_k_docs=params.retrieval.top_k, max_result_tokens=params.retrieval.max_result_tokens,
                          seed=params.selfplay.seed)
 
@@ -41,9 +42,9 @@ def challenger_limits(params: Params) -> RolloutLimits:
 def solver_limits(params: Params, *, filtering: bool = False) -> RolloutLimits:
     """Solver budgets; `filtering` uses the task-filter sampling (T = 0.7, top-p 0.9, App. G)."""
     s = params.solver
-    return RolloutLimits(max_turns=s.max_turns, max_new_tokens_per_turn=s.max_new_tokens_per_turn,
+    return RolloutLimits(max_turns=s.turn_limit, max_new_tokens_per_turn=s.max_new_tokens_per_turn,
                          max_response_tokens=s.max_response_tokens, max_model_len=params.model.max_model_len,
-                         max_prompt_tokens=s.max_prompt_tokens,
+                         max_prompt_tokens=min(s.max_prompt_tokens, params.selfplay.rollout_prompt_tokens),
                          temperature=s.filter_temperature if filtering else s.temperature,
                          top_p=s.filter_top_p if filtering else s.top_p,
                          top_k_docs=params.retrieval.top_k, max_result_tokens=params.retrieval.max_result_tokens,
@@ -103,13 +104,14 @@ class GradedSolverRollout:
 def challenger_format(traj: Trajectory, dialect: Dialect) -> rewards.FormatScore:
     """F.1: think, tool and structure components from the decoded turns."""
     valid, malformed = dialect.count_searches(traj.turns)
-    return rewards.challenger_format(traj.turns, traj.expected_searches or 0, valid, malformed, traj.task)
+    return rewards.challenger_format(traj.turns, traj.expected_searches or 0, valid, malformed, traj.task,
+                                     starts_in_think=traj.opens_think)
 
 
 def solver_format(traj: Trajectory, dialect: Dialect) -> rewards.FormatScore:
     """F.2: think, tool (non-final turns) and answer components."""
     valid_nonfinal, _ = dialect.count_searches(traj.turns[:-1])
-    return rewards.solver_format(traj.turns, valid_nonfinal, traj.answer)
+    return rewards.solver_format(traj.turns, valid_nonfinal, traj.answer, starts_in_think=traj.opens_think)
 
 
 def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerPrompt], *, params: Params,
@@ -150,7 +152,8 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
     for e in ready:
         for j in range(n_solver):
             solvers.append(new_trajectory(f"{e.challenger_id}/s{j}", "solver",
-                                          solver_messages(e.task, dialect, params.solver.max_searches),
+                                          solver_messages(e.task, dialect, params.solver.max_searches,
+                                                          params.solver.prompt),
                                           solver_engine.tokenizer, max_searches=params.solver.max_searches,
                                           meta={"challenger_id": e.challenger_id}))
             e.solver_ids.append(solvers[-1].id)
@@ -210,7 +213,8 @@ def solver_rewards(graded: list[GradedSolverRollout], params: Params, dialect: D
         traj = g.trajectory
         g.format = solver_format(traj, dialect)
         n_answer = len(tokenizer.encode(traj.answer, add_special_tokens=False)) if traj.answer else 0
-        g.reward = rewards.solver_reward(g.rubric_score, n_answer, g.format.total, traj.n_valid_searches,
+        n_searches, _ = dialect.count_searches(traj.turns)  # F.2: well-formed searches in ALL turns
+        g.reward = rewards.solver_reward(g.rubric_score, n_answer, g.format.total, n_searches,
                                          accuracy_weight=s.accuracy_weight, format_weight=s.format_weight,
                                          search_weight=s.search_weight, length=length,
                                          search_saturation=s.search_saturation)

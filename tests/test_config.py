@@ -28,6 +28,8 @@ def test_defaults_are_table_9():
     assert (p.selfplay.solver_rollouts_train, p.selfplay.solver_rollouts_filter) == (8, 4)
     assert p.selfplay.search_turn_strata == [4, 3, 2] and p.selfplay.target_tasks == 5120
     assert p.selfplay.task_types == ["long_form_qa", "summarisation", "planning", "writing"]
+    assert p.selfplay.rollout_prompt_tokens == 2048                     # "rollout prompt length"
+    assert p.solver.max_searches == 5 and p.solver.turn_limit == 6     # §4.1: 5 searches, then the answer
 
 
 @pytest.mark.parametrize("name", MODEL_PARAMS)
@@ -46,6 +48,12 @@ def test_every_params_file_loads():
     assert len(files) >= 7
     for f in files:
         load_params(f)
+
+
+def test_no_quality_gates_ablation_file():
+    p = load_params(REPO / "params" / "ablations" / "no-quality-gates.yaml")
+    assert p.judge.gates == [] and p.model.base == "Qwen/Qwen3-8B"
+    assert load_params().judge.gates == ["entity_identifiability", "source_relevance"]
 
 
 def test_inherit_merges_section_by_section():

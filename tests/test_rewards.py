@@ -285,7 +285,10 @@ def test_solver_format_single_turn_tool_is_zero():
     assert fmt.total == approx(2 / 3)
 
 
-def test_solver_format_qwen3_leading_closer_counts_as_thinking():
+def test_a_lone_closer_earns_think_credit_only_when_the_template_opened_thinking():
+    turns = ["reasoning...</think>\n<answer>x</answer>"]
+    assert solver_format(turns, 0, "x").think == 0.0          # the model never wrote <think>
+    assert challenger_format(["</think><task>T</task>"], 0, 0, 0, "T").think == 0.0
     # the chat template opened <think> in the prompt; the completion holds only the closer
-    fmt = solver_format(["reasoning...</think>\n<answer>x</answer>"], 0, "x")
-    assert fmt.think == 1.0
+    assert solver_format(turns, 0, "x", starts_in_think=True).think == 1.0
+    assert challenger_format(["</think><task>T</task>"], 0, 0, 0, "T", starts_in_think=True).think == 1.0
