@@ -1,6 +1,7 @@
 """`scope`: the command line.
 
     scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
+    scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
     scope index build --params P [--rebuild]     build or reuse the retrieval index
@@ -31,6 +32,15 @@ def cmd_run(args) -> int:
                             reports_dir=params.run_dir / "reports")
     for path in outputs:
         print(path)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from scope_lib.selfplay import run
+
+    result = run(_params(args))
+    print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
+          f"{len(result.alarms)} health alarm(s)")
     return 0
 
 
@@ -90,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--notebooks", nargs="*", default=None, help="only these (e.g. 01 02); default all")
     run.add_argument("--no-html", action="store_true", help="skip the HTML copies")
     run.set_defaults(func=cmd_run)
+
+    train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)
+    train.set_defaults(func=cmd_train)
 
     params = sub.add_parser("params", help="inspect parameters").add_subparsers(dest="what", required=True)
     with_params(params.add_parser("show", help="print resolved parameters"), positional=True).set_defaults(

@@ -159,6 +159,9 @@ class SelfPlayConfig(Section):
     challenger_prompts: int = Field(2000, ge=1, description="Challenger training prompts per iteration.")
     target_tasks: int = Field(5120, ge=1, description="Filtered tasks per iteration (256 x 20, App. G).")
     candidate_batch_size: int = Field(500, ge=1, description="Candidate tasks generated per batch (App. G).")
+    max_candidate_batches: int | None = Field(
+        None, ge=1, description="Stop the task pool after this many candidate batches even below target_tasks; "
+        "None = until the target is met or the documents run out (App. G).")
     tasks_per_document: int = Field(1, ge=1, description="At most this many tasks per source document.")
     document_max_tokens: int = Field(256, ge=16, description="Source documents are cut to this many tokens.")
     co_evolution: bool = Field(
@@ -194,6 +197,10 @@ class ChallengerConfig(Section):
     format_weight: float = Field(0.5, ge=0.0, description="lambda_fmt in eq. 4 (Table 9).")
     difficulty_weight: float = Field(1.0, ge=0.0, description="lambda_diff in eq. 4 (Table 9).")
     difficulty_target: float = Field(0.5, gt=0.0, lt=1.0, description="tau in eq. 5 (Table 9).")
+    reward_shape: Literal["tent", "rzero", "spice", "ssp"] = Field(
+        "tent", description="f_diff of eq. 4: 'tent' = eq. 5 (paper); 'rzero' = R-Zero's 1 - 2|g - 1/2| (equal to "
+        "the tent at tau = 0.5); 'spice' = SPICE's Gaussian on the variance, exp(-(g(1-g) - 1/4)^2 / 0.02); "
+        "'ssp' = Search Self-Play's 1 - g.")
     clip_low: float = Field(0.2, gt=0.0, description="epsilon (lower clip) in eq. 3.")
     clip_high: float = Field(0.2, gt=0.0, description="Upper clip range.")
 
@@ -243,25 +250,50 @@ class SolverConfig(Section):
         return self.max_turns if self.max_turns is not None else self.max_searches + 1
 
 
-class GRPOConfig(Section):
-    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer."""
+#: LoRA learning rate when `grpo.learning_rate` is None: 10x the paper's full fine-tuning rate. "LoRA Without
+#: Regret" (Schulman et al., Thinking Machines, 2025) finds the best LoRA rate about 10x the full fine-tuning one.
+LORA_LEARNING_RATE = 1e-5
+#: The paper's rate (Table 9), for full fine-tuning.
+FULL_LEARNING_RATE = 1e-6
 
-    learning_rate: float = Field(1e-6, gt=0.0, description="Learning rate (Table 9).")
-    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="LR warmup ratio (Table 9).")
+
+class GRPOConfig(Section):
+    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer (scope_lib/training.py)."""
+
+    learning_rate: float | None = Field(
+        None, gt=0.0, description="Learning rate; None = 1e-6 for full fine-tuning (Table 9) and 1e-5 for LoRA "
+        "(10x, the ratio 'LoRA Without Regret', Schulman et al. 2025, finds best).")
+    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="LR warmup ratio (Table 9); warmup steps = "
+                                "floor(ratio x steps), as verl computes it (0 for 20 steps).")
     lr_scheduler: Literal["constant_with_warmup", "cosine", "linear"] = Field(
         "constant_with_warmup", description="Schedule after warmup (the authors use constant).")
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clip (Table 9).")
     beta: float = Field(1e-3, ge=0.0, description="KL coefficient beta in eq. 3 (Table 9; k3 estimator).")
+    kl_importance_ratio: bool = Field(
+        False, description="Multiply the per-token k3 KL by the importance ratio (TRL's default); False = plain "
+        "k3, as the authors' verl (low_var_kl).")
+    dual_clip: float | None = Field(
+        3.0, gt=1.0, description="Dual-clip bound c on the ratio for negative advantages (verl clip_ratio_c, the "
+        "authors' 3.0); None = off.")
     group_size: int = Field(8, ge=2, description="G, rollouts per prompt (Table 9).")
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = Field(
         "dapo", description="Loss aggregation; 'dapo' = token mean over the batch (the authors' token-mean).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std (eq. 2).")
-    num_epochs: int = Field(1, ge=1, description="PPO epochs per batch.")
-    per_device_batch_size: int = Field(8, ge=1, description="Micro-batch of completions per device.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per update.")
+    num_epochs: int = Field(1, ge=1, description="PPO epochs per batch (the authors: 1).")
+    per_device_batch_size: int = Field(
+        8, ge=1, description="Micro-batch of rollouts per device; the gradient accumulation steps follow from "
+        "it: batch_size x G = per_device_batch_size x devices x accumulation.")
     gradient_checkpointing: bool = Field(True, description="Trade compute for memory.")
-    seed: int = Field(42, description="Trainer seed.")
+    seed: int = Field(42, description="Base seed of the trainers; each stage of each iteration derives its own.")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        [], description="Also log TRL's metrics there (off by default; metrics.jsonl is always written).")
+
+    def learning_rate_for(self, finetuning: str) -> float:
+        """The rate this run trains with: the configured one, or the mode's documented default."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return FULL_LEARNING_RATE if finetuning == "full" else LORA_LEARNING_RATE
 
 
 class EngineConfig(Section):

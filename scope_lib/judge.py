@@ -11,7 +11,10 @@ stage's own model, not the policy's: it picks the grader variant, the stop strin
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -38,6 +41,7 @@ class StageStats:
     retried: int = 0
     rescued: int = 0      # replies that parsed only after the corrective retry
     unparseable: int = 0
+    seconds: float = 0.0  # wall time of this stage's engine calls
     examples: list[str] = field(default_factory=list)  # a few raw replies that did not parse
 
 
@@ -53,6 +57,13 @@ class JudgeStats:
     def table(self) -> list[dict[str, Any]]:
         return [{"stage": k, "prompts": v.prompts, "engine calls": v.calls, "retried": v.retried,
                  "rescued by retry": v.rescued, "unparseable": v.unparseable} for k, v in self.stages.items()]
+
+    def totals(self) -> dict[str, float]:
+        """Prompts, engine calls, unparseable replies and seconds over every stage (for per-step deltas)."""
+        return {"prompts": sum(v.prompts for v in self.stages.values()),
+                "calls": sum(v.calls for v in self.stages.values()),
+                "unparseable": sum(v.unparseable for v in self.stages.values()),
+                "seconds": sum(v.seconds for v in self.stages.values())}
 
     def parse_failure_rate(self) -> float:
         """Share of Judge replies that never parsed, over every stage (0 when nothing was asked)."""
@@ -74,11 +85,16 @@ class GateOutcome:
 class Judge:
     """Gates, rubrics and grades from frozen models. `engine` serves every stage unless a stage has its own
     (the paper's judge-scaling analysis uses different rubric writers and graders). `native_thinking` is one
-    flag for every stage or a {stage: flag} mapping; `judge.native_thinking` in the config overrides it."""
+    flag for every stage or a {stage: flag} mapping; `judge.native_thinking` in the config overrides it.
+
+    With a `seed`, every call is seeded from the seed, the stage and the prompts themselves, so the same
+    batch gets the same replies in any process (a resumed run re-judges exactly as an uninterrupted one)."""
 
     def __init__(self, engine: Engine, cfg: JudgeConfig, *, native_thinking: bool | dict[str, bool] = False,
-                 rubric_engine: Engine | None = None, grader_engine: Engine | None = None):
+                 rubric_engine: Engine | None = None, grader_engine: Engine | None = None,
+                 seed: int | None = None):
         self.cfg = cfg
+        self.seed = seed
         self.engines = {"gates": engine, "rubrics": rubric_engine or engine, "grading": grader_engine or engine}
         flags = native_thinking if isinstance(native_thinking, dict) else dict.fromkeys(STAGES, native_thinking)
         self.thinking = {stage: bool(cfg.native_thinking if cfg.native_thinking is not None else flags.get(stage))
@@ -146,6 +162,14 @@ class Judge:
         stops = () if self.thinking[stage] else (stop,)
         return Sampling(max_new_tokens=max_tokens, temperature=temperature, stop=stops, logprobs=False)
 
+    def _seeded(self, sampling: Sampling, stage: str, texts: list[str]) -> Sampling:
+        if self.seed is None:
+            return sampling
+        digest = hashlib.sha256(f"{self.seed}|{stage}".encode())
+        for text in texts:
+            digest.update(text.encode("utf-8", "replace") + b"\0")
+        return dataclasses.replace(sampling, seed=int.from_bytes(digest.digest()[:4], "little"))
+
     def _run(self, stage: str, texts: list[str], sampling: Sampling,
              parse: Callable[[str], T | None]) -> list[T | None]:
         engine = self.engines[stage]
@@ -153,7 +177,9 @@ class Judge:
         stats.prompts += len(texts)
         if not texts:
             return []
-        replies = [c.text for c in engine.generate([_encode_user(engine.tokenizer, t) for t in texts], sampling)]
+        started = time.perf_counter()
+        replies = [c.text for c in engine.generate([_encode_user(engine.tokenizer, t) for t in texts],
+                                                   self._seeded(sampling, stage, texts))]
         stats.calls += 1
         results = [parse(r) for r in replies]
         todo = [i for i, r in enumerate(results) if r is None]
@@ -161,8 +187,9 @@ class Judge:
             if not todo:
                 break
             stats.retried += len(todo)
-            retry_ids = [_encode_user(engine.tokenizer, prompts.judge_retry(texts[i], stage)) for i in todo]
-            again = engine.generate(retry_ids, sampling)
+            retry_texts = [prompts.judge_retry(texts[i], stage) for i in todo]
+            again = engine.generate([_encode_user(engine.tokenizer, t) for t in retry_texts],
+                                    self._seeded(sampling, stage, retry_texts))
             stats.calls += 1
             for i, completion in zip(todo, again, strict=True):
                 replies[i] = completion.text
@@ -170,6 +197,7 @@ class Judge:
             stats.rescued += sum(results[i] is not None for i in todo)
             todo = [i for i in todo if results[i] is None]
         stats.unparseable += len(todo)
+        stats.seconds += time.perf_counter() - started
         stats.examples.extend(replies[i][:500] for i in todo[: max(0, 3 - len(stats.examples))])
         if todo:
             log.info("judge %s: %d of %d replies unparseable after %d retry(ies)", stage, len(todo), len(texts),
@@ -190,7 +218,8 @@ def make_judge(params: Params, engine_for: Callable[[str], Engine]) -> Judge:
     models = judge_models(params)
     return Judge(engine_for(models["gates"]), params.judge,
                  native_thinking={stage: thinks_natively(name) for stage, name in models.items()},
-                 rubric_engine=engine_for(models["rubrics"]), grader_engine=engine_for(models["grading"]))
+                 rubric_engine=engine_for(models["rubrics"]), grader_engine=engine_for(models["grading"]),
+                 seed=params.selfplay.seed)
 
 
 def _encode_user(tokenizer, content: str) -> list[int]:

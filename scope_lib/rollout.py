@@ -165,9 +165,12 @@ class ChallengerPrompt:
 
 
 def make_challenger_prompts(passages, task_types: list[str], strata: list[int], seed: int,
-                            tokenizer=None, document_max_tokens: int | None = None) -> list[ChallengerPrompt]:
+                            tokenizer=None, document_max_tokens: int | None = None,
+                            id_prefix: str | None = None) -> list[ChallengerPrompt]:
     """One Challenger prompt per passage: task types and search counts (1, 2, 3, ... by `strata`) are
-    each apportioned exactly and shuffled by seed."""
+    each apportioned exactly and shuffled by seed. Ids are `id_prefix` + position (default "c<seed>-"); give
+    each iteration and batch its own prefix so ids stay unique across a run."""
+    id_prefix = f"c{seed}-" if id_prefix is None else id_prefix
     n = len(passages)
     types = apportion(n, [1] * len(task_types), seed)
     searches = apportion(n, strata, seed + 1)
@@ -176,7 +179,7 @@ def make_challenger_prompts(passages, task_types: list[str], strata: list[int], 
         document = passage.document
         if tokenizer is not None and document_max_tokens:
             document = truncate_tokens(document, tokenizer, document_max_tokens)
-        out.append(ChallengerPrompt(id=f"c{seed}-{i}", document_id=passage.id, document=document,
+        out.append(ChallengerPrompt(id=f"{id_prefix}{i}", document_id=passage.id, document=document,
                                     task_type=task_types[t], expected_searches=s + 1))
     return out
 
