@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -172,7 +173,9 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
         elif ck.kind == "adapter":
             model = base.model  # type: ignore[attr-defined]
             if ck.name not in (getattr(model, "peft_config", None) or {}):
-                model.load_adapter(str(ck.path), adapter_name=ck.name)
+                with warnings.catch_warnings():  # "multiple adapters in the model": intended, one per checkpoint
+                    warnings.filterwarnings("ignore", message=".*peft_config.*")
+                    model.load_adapter(str(ck.path), adapter_name=ck.name)
             policies[ck.name] = Policy(ck, base, ck.name)
         elif backend == "vllm":
             policies[ck.name] = Policy(ck, VLLMEngine(ck.path, max_model_len=params.model.max_model_len,
