@@ -304,18 +304,26 @@ class LocalEngineBackend:
 
     def send(self, requests: list[JudgeRequest], on_reply) -> None:
         tokenizer = self.engine.tokenizer
+        limit = getattr(self.engine, "max_model_len", None)
         groups: dict[tuple[JudgeSettings, int], list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault((r.settings, r.sample_index), []).append(i)
         for (settings, sample_index), indices in groups.items():
-            ids = [tokenizer.encode(tokenizer.apply_chat_template(requests[i].messages, tokenize=False,
-                                                                  add_generation_prompt=True),
-                                    add_special_tokens=False) for i in indices]
+            prompts = {i: tokenizer.encode(tokenizer.apply_chat_template(requests[i].messages, tokenize=False,
+                                                                         add_generation_prompt=True),
+                                           add_special_tokens=False, verbose=False) for i in indices}
+            fits = [i for i in indices if limit is None or len(prompts[i]) < limit]
+            for i in indices:
+                if i not in fits:  # as a served model would: reject a prompt that leaves no room to answer
+                    on_reply(i, JudgeReply(text="", key=requests[i].key, error=f"prompt of {len(prompts[i])} tokens "
+                                           f"leaves no room in the judge's context of {limit}"))
+            if not fits:
+                continue
             sampling = Sampling(max_new_tokens=settings.max_tokens, temperature=settings.temperature,
                                 seed=self.seed + sample_index, logprobs=False)
-            for i, prompt, completion in zip(indices, ids, self.engine.generate(ids, sampling, adapter=self.adapter),
-                                             strict=True):
-                on_reply(i, JudgeReply(text=completion.text, key=requests[i].key, prompt_tokens=len(prompt),
+            completions = self.engine.generate([prompts[i] for i in fits], sampling, adapter=self.adapter)
+            for i, completion in zip(fits, completions, strict=True):
+                on_reply(i, JudgeReply(text=completion.text, key=requests[i].key, prompt_tokens=len(prompts[i]),
                                        completion_tokens=len(completion.token_ids)))
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "judge_settings", "make_benchmark_judge", "eval_limits", "solver_temperature", "run_solver", "force_answer",
     "answer_of", "score_items", "evaluate", "eval_dir", "load_summary", "results_table", "paper_table",
     "load_task_pool", "pool_iterations", "coevolution_matrix", "self_judge_gap", "leave_one_out_table",
+    "summaries_frame", "invalid_replies", "gains_frame",
     "BenchmarkDataError", "JudgeUnavailable",
 ]
 
@@ -594,6 +595,59 @@ def results_table(params: Params, checkpoints: list[str], kind: Literal["open_en
         row["benchmarks"] = len(present)
         rows[ck] = row
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def summaries_frame(summaries: list[dict[str, Any]]):
+    """One row per (checkpoint, benchmark, scorer): score x100 with its 95% CI, how many items were scored, how many
+    judge units stayed invalid (and the policy applied), and the share of rollouts that produced an answer."""
+    import pandas as pd
+
+    rows = []
+    for s in summaries:
+        answered = sum(v for k, v in s["answer_status"].items() if k != "missing")
+        n = sum(s["answer_status"].values()) or 1
+        for scorer, v in s["scorers"].items():
+            rows.append({"checkpoint": s["checkpoint"], "benchmark": s["benchmark"], "scorer": scorer,
+                         "score": None if v["value"] is None else round(100 * v["value"], 1),
+                         "95% CI": "-" if not v["ci95"] else f"{100 * v['ci95'][0]:.1f}-{100 * v['ci95'][1]:.1f}",
+                         "scored": f"{v['n_scored']}/{v['n']}",
+                         "invalid units": f"{v['n_invalid_units']}/{v['n_units']}",
+                         "policy": v["invalid_policy"] if v["n_invalid_units"] else "",
+                         "answered": round(answered / n, 2)})
+    return pd.DataFrame(rows)
+
+
+def invalid_replies(params: Params, checkpoint: str, benchmark: str, limit: int = 3) -> list[dict[str, str]]:
+    """A few judge replies that never parsed (after the retries), with the item and unit they belong to."""
+    path = eval_dir(params, checkpoint, benchmark) / "items.jsonl"
+    found: list[dict[str, str]] = []
+    for record in read_jsonl(path) if path.is_file() else []:
+        for scorer, score in record["scores"].items():
+            for unit in score["units"]:
+                if unit["invalid"] and len(found) < limit:
+                    found.append({"item": record["item_id"], "scorer": scorer, "unit": unit["key"],
+                                  "last reply": (unit["replies"] or [""])[-1][:200]})
+    return found
+
+
+def gains_frame(params: Params, checkpoints: list[str], scorer: str = "scope_paper"):
+    """Long table for a Figure 5-style plot: per benchmark and checkpoint the score x100 and its gain over the first
+    checkpoint (normally base)."""
+    frames = []
+    for kind in ("open_ended", "short_form"):
+        table = results_table(params, checkpoints, kind, scorer).drop(columns=["benchmarks"])  # type: ignore[arg-type]
+        long = table.reset_index(names="checkpoint").melt(id_vars="checkpoint", var_name="benchmark",
+                                                          value_name="score").dropna()
+        if long.empty:
+            continue
+        first = long[long["checkpoint"] == checkpoints[0]].set_index("benchmark")["score"]
+        long["gain"] = long["score"] - long["benchmark"].map(first)
+        long["table"] = "Table 2 (open-ended)" if kind == "open_ended" else "Table 3 (short-form QA)"
+        frames.append(long)
+    import pandas as pd
+
+    columns = ["checkpoint", "benchmark", "score", "gain", "table"]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
 def paper_table(params: Params, kind: Literal["open_ended", "short_form"]):

@@ -88,6 +88,16 @@ def replay_prefix(traj: Trajectory, new_id: str, *, see_thinking: bool, dialect:
                       max_searches=max_searches, meta=meta, searches=searches)
 
 
+def default_pairs(checkpoints: list[str]) -> list[tuple[str, str]]:
+    """The paper's design between the earliest and latest trained Solver (Table 4: iter-1 and iter-3): X/X, X/Y,
+    Y/X, Y/Y. With one trained Solver, base and that Solver; with none, base x base only."""
+    trained = [c for c in checkpoints if c != "base"]
+    if not trained:
+        return [("base", "base")]
+    first, last = (trained[0], trained[-1]) if len(trained) > 1 else ("base", trained[0])
+    return [(first, first), (first, last), (last, first), (last, last)]
+
+
 def replay_dir(params: Params, search: str, answer: str, options: ReplayOptions, benchmark: str) -> Path:
     return params.run_dir / "eval" / "replay" / f"{search}__{answer}__{options.tag}" / benchmark
 

@@ -152,3 +152,14 @@ def test_replay_table_with_the_diagonal_from_evaluation(setup):
     replayed = params.run_dir / "eval" / "replay" / "iter_01-solver__iter_02-solver__think-off_search-on" / "nq"
     record = json.loads((replayed / "trajectories.jsonl").read_text().splitlines()[0])
     assert record["max_searches"] == params.evaluation.max_searches
+
+
+def test_default_pairs_follow_the_checkpoints_found():
+    from scope_lib.replay import default_pairs
+
+    assert default_pairs(["base"]) == [("base", "base")]
+    assert default_pairs(["base", "iter_01-solver"]) == [("base", "base"), ("base", "iter_01-solver"),
+                                                          ("iter_01-solver", "base"),
+                                                          ("iter_01-solver", "iter_01-solver")]
+    assert default_pairs(["base", "iter_01-solver", "iter_02-solver", "iter_03-solver"])[1] == \
+        ("iter_01-solver", "iter_03-solver")
