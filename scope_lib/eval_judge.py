@@ -122,6 +122,9 @@ class JudgeCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=60)
+        # WAL + NORMAL: a committed reply survives the process being killed; commits do not wait for the disk
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, model TEXT, prompt_version TEXT,"
                          " sample_index INTEGER, text TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,"
                          " reasoning_tokens INTEGER, created REAL)")

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BENCHMARKS", "Checkpoint", "Policy", "resolve_checkpoint", "available_checkpoints", "open_policies",
-    "judge_settings", "make_benchmark_judge", "eval_limits", "solver_temperature", "run_solver", "force_answer",
+    "judge_settings", "make_benchmark_judge", "base_engine", "eval_limits", "solver_temperature", "run_solver", "force_answer",
     "answer_of", "score_items", "evaluate", "eval_dir", "load_summary", "results_table", "paper_table",
     "load_task_pool", "pool_iterations", "coevolution_matrix", "self_judge_gap", "leave_one_out_table",
     "summaries_frame", "invalid_replies", "gains_frame",
@@ -190,6 +190,12 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
             policies[ck.name] = Policy(ck, HFEngine(model, tokenizer, max_model_len=params.model.max_model_len),
                                        None)
     return policies
+
+
+def base_engine(policies: dict[str, Policy]) -> Engine | None:
+    """The engine that generates with M0 when asked with adapter None (a base or adapter checkpoint's engine), or
+    None when every policy is a separate full model."""
+    return next((p.engine for p in policies.values() if p.checkpoint.kind in ("base", "adapter")), None)
 
 
 # -- the benchmark judge --------------------------------------------------------------------------------
@@ -376,11 +382,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def score_items(params: Params, benchmark: str, answered: list[Answered], judge: BenchmarkJudge | None, *,
-                scorers: list[str] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                scorers: list[str] | None = None, label: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Score every answer with every scorer. All judge units of the benchmark go to the judge together (identical
     requests, e.g. HealthBench's two scorers, are sent once); unparseable replies are re-sampled in batched rounds
     (`judge_parse_retries`); what stays invalid follows `judge_invalid`. Returns the per-item records and the
-    per-scorer summary."""
+    per-scorer summary. Judge usage is accounted under "<label>/<benchmark>/<scorer>" (label: the checkpoint)."""
     e = params.evaluation
     spec = BENCHMARKS[benchmark]
     names = [n for n in (scorers or e.scorers) if n in spec.scorers]
@@ -398,8 +404,8 @@ def score_items(params: Params, benchmark: str, answered: list[Answered], judge:
     for sample_index in range(e.judge_parse_retries + 1):
         if not pending:
             break
-        requests = [JudgeRequest(u.messages, settings, u.prompt_version, sample_index, f"{benchmark}/{key[1]}")
-                    for key, u in pending]
+        requests = [JudgeRequest(u.messages, settings, u.prompt_version, sample_index,
+                                 f"{label}/{benchmark}/{key[1]}") for key, u in pending]
         replies = judge.complete(requests)  # type: ignore[union-attr]
         still = []
         for (key, unit), reply in zip(pending, replies, strict=True):
@@ -491,7 +497,8 @@ def write_benchmark_results(params: Params, folder: Path, checkpoint: str, bench
     statuses = Counter(r["answer_status"] for r in records)
     usage = {}
     if judge is not None:
-        usage = {tag.split("/", 1)[1]: vars(u) for tag, u in judge.usage.items() if tag.startswith(benchmark + "/")}
+        prefix = f"{checkpoint}/{benchmark}/"
+        usage = {tag[len(prefix):]: vars(u) for tag, u in judge.usage.items() if tag.startswith(prefix)}
     summary = {"benchmark": benchmark, "checkpoint": checkpoint, "n_items": len({r["item_id"] for r in records}),
                "seeds": sorted({r["seed"] for r in records}), "answer_status": dict(statuses),
                "finishes": dict(Counter(r["finish"] for r in records)),
@@ -530,8 +537,7 @@ def evaluate(params: Params, checkpoints: list[str | Checkpoint] | None = None, 
                                                                  if c.name not in (policies or {})], engine=engine)}
     owns_judge = judge is None
     if judge is None:
-        base_engine = engine or next(iter(policies.values())).engine
-        judge = make_benchmark_judge(params, base_engine)
+        judge = make_benchmark_judge(params, engine or base_engine(policies))
     summaries = []
     try:
         for name in benchmarks:
@@ -541,7 +547,8 @@ def evaluate(params: Params, checkpoints: list[str | Checkpoint] | None = None, 
                 folder = eval_dir(params, ck.name, name)
                 trajectories = run_solver(params, policy, name, items, retriever=retriever, dialect=dialect,
                                           folder=folder)
-                records, per_scorer = score_items(params, name, answered_from(name, items, trajectories), judge)
+                records, per_scorer = score_items(params, name, answered_from(name, items, trajectories), judge,
+                                                  label=ck.name)
                 summaries.append(write_benchmark_results(params, folder, ck.name, name, records, per_scorer,
                                                          manifest, judge))
                 _write_checkpoint_summary(params, ck.name)

@@ -30,6 +30,7 @@ from scope_lib.evaluation import (
     Policy,
     _store_record,
     answered_from,
+    base_engine,
     eval_dir,
     eval_limits,
     evaluate,
@@ -140,11 +141,11 @@ def replay_benchmark(params: Params, search: Policy, answer: Policy, benchmark: 
             store.append(_store_record(t) for t in batch)
             done.update(((t.meta["item_id"], seed), t) for t in batch)
     replays = {key: done[key] for key in source}
-    records, per_scorer = score_items(params, benchmark, answered_from(benchmark, items, replays), judge)
+    label = f"{search.checkpoint.name}>{answer.checkpoint.name}"
+    records, per_scorer = score_items(params, benchmark, answered_from(benchmark, items, replays), judge, label=label)
     extra = {"replay": {"search": search.checkpoint.name, "answer": answer.checkpoint.name, **asdict(options),
                         "effective_see_thinking": effective, "dialect": dialect.name}}
-    return write_benchmark_results(params, folder, f"{search.checkpoint.name}>{answer.checkpoint.name}", benchmark,
-                                   records, per_scorer, manifest, judge, extra)
+    return write_benchmark_results(params, folder, label, benchmark, records, per_scorer, manifest, judge, extra)
 
 
 def replay_table(params: Params, pairs: list[tuple[str, str]], benchmarks: list[str],
@@ -166,7 +167,7 @@ def replay_table(params: Params, pairs: list[tuple[str, str]], benchmarks: list[
     if missing:
         policies.update(open_policies(params, missing, engine=engine))
     owns_judge = judge is None
-    judge = judge or make_benchmark_judge(params, engine or next(iter(policies.values())).engine)
+    judge = judge or make_benchmark_judge(params, engine or base_engine(policies))
     rows, summaries = {}, []
     try:
         for x_spec, y_spec in pairs:

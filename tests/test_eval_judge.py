@@ -112,7 +112,7 @@ def test_requests_cache_and_accounting(tmp_path, monkeypatch):
         again.complete([request("q0", effort="high", sample=1)])
         assert len(state["bodies"]) == 9
         backend.close()
-    raw = (tmp_path / "cache.sqlite").read_bytes()
+    raw = b"".join(p.read_bytes() for p in tmp_path.glob("cache.sqlite*"))     # the database and its WAL
     assert SECRET.encode() not in raw and b"echo q3" in raw
 
 
@@ -219,3 +219,26 @@ def test_judge_against_transformers_serve(served_judge, tiny_model_dir, tmp_path
     assert all(r.error is None and r.text and r.completion_tokens > 0 for r in replies), replies
     assert judge.sent == 3 and judge.complete(reqs)[0].cached
     backend.close()
+
+
+def test_scope_eval_against_a_served_judge(served_judge, tiny_model_dir, shared_data, tmp_path):
+    """`scope eval` with the judge served by `transformers serve` (the tiny model: its verdicts rarely parse, so
+    they are retried and counted as invalid — the point is the real HTTP path end to end)."""
+    from scope_lib.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = tmp_path / "eval.yaml"
+    spec.write_text(
+        f"inherit: {repo / 'params' / 'smoke.yaml'}\n"
+        f"run: {{name: served, runs_dir: {tmp_path}, data_dir: {shared_data}}}\n"
+        "retrieval: {embedder: hashing}\n"
+        "evaluation:\n  benchmarks: [nq]\n  max_examples: 2\n  bootstrap_samples: 10\n  judge_backend: openai\n"
+        f"  judge_base_url: {served_judge}\n  judge_token_field: max_tokens\n"
+        f"  short_form_judge: {{model: {tiny_model_dir}, max_tokens: 8}}\n")
+    assert main(["eval", str(spec)]) == 0
+    summary = json.loads((tmp_path / "served" / "eval" / "base" / "nq" / "summary.json").read_text())
+    usage = summary["judge_usage"]["scope_paper"]
+    assert usage["requests"] >= 2 and usage["errors"] == 0 and usage["completion_tokens"] > 0
+    assert summary["scorers"]["scope_paper"]["n_units"] == 2
+    records = [json.loads(line) for line in (tmp_path / "served" / "eval" / "base" / "nq" / "items.jsonl").open()]
+    assert all(u["replies"] and all(u["replies"]) for r in records for u in r["scores"]["scope_paper"]["units"])

@@ -278,7 +278,7 @@ def test_invalid_replies_are_retried_then_handled_by_the_declared_policy(policy)
     else:                  # worst: positive c1 not met, negative c2 met: (5 - 4 + 2) / 10
         assert s["value"] == pytest.approx(0.3)
         assert [u["verdict"] for u in bad] == [False, True]
-    assert judge.usage["healthbench/official"].requests == 8
+    assert judge.usage["/healthbench/official"].requests == 8
 
 
 def test_an_item_with_nothing_parseable_is_dropped_and_counted():
