@@ -44,7 +44,7 @@ from scope_lib.evaluation import (
     score_items,
     write_benchmark_results,
 )
-from scope_lib.rollout import Trajectory, encode_messages, run_rollouts
+from scope_lib.rollout import Trajectory, new_trajectory, run_rollouts
 from scope_lib.runs import RecordLog
 
 
@@ -78,15 +78,16 @@ def replay_prefix(traj: Trajectory, new_id: str, *, see_thinking: bool, dialect:
     searches = copy.deepcopy(traj.searches[:n_actions])
     meta = {**traj.meta, "search_trajectory_id": traj.id, "prefix_tokens": cut, "kept_turns": kept_turns,
             "see_thinking": see_thinking}
-    if see_thinking:
-        return Trajectory(id=new_id, role="solver", prompt_ids=list(traj.prompt_ids), messages=messages,
-                          max_searches=max_searches, meta=meta, completion_ids=traj.completion_ids[:cut],
-                          env_mask=traj.env_mask[:cut], logprobs=[0.0] * cut, turns=list(traj.turns[:kept_turns]),
-                          turn_spans=list(traj.turn_spans[:kept_turns]), searches=searches)
+    if see_thinking:   # replace() keeps every other field of X's trajectory (e.g. how its template opened)
+        return replace(traj, id=new_id, messages=messages, max_searches=max_searches, meta=meta,
+                       completion_ids=traj.completion_ids[:cut], env_mask=traj.env_mask[:cut], logprobs=[0.0] * cut,
+                       turns=list(traj.turns[:kept_turns]), turn_spans=list(traj.turn_spans[:kept_turns]),
+                       turn_prompt_ids=[], searches=searches, finish="", task=None, answer=None)
     visible = [{**m, "content": strip_thinking(m["content"])} if m["role"] == "assistant" else m for m in messages]
-    meta["prefix_tokens"] = 0
-    return Trajectory(id=new_id, role="solver", prompt_ids=encode_messages(tokenizer, visible), messages=visible,
-                      max_searches=max_searches, meta=meta, searches=searches)
+    fresh = new_trajectory(new_id, "solver", visible, tokenizer, max_searches=max_searches,
+                           meta={**meta, "prefix_tokens": 0})
+    fresh.searches = searches
+    return fresh
 
 
 def default_pairs(checkpoints: list[str]) -> list[tuple[str, str]]:
