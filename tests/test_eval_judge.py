@@ -232,7 +232,8 @@ def test_scope_eval_against_a_served_judge(served_judge, tiny_model_dir, shared_
         f"inherit: {repo / 'params' / 'smoke.yaml'}\n"
         f"run: {{name: served, runs_dir: {tmp_path}, data_dir: {shared_data}}}\n"
         "retrieval: {embedder: hashing}\n"
-        "evaluation:\n  benchmarks: [nq]\n  max_examples: 2\n  bootstrap_samples: 10\n  judge_backend: openai\n"
+        "evaluation:\n  benchmarks: [nq]\n  max_examples: 2\n  max_searches: 1\n  max_answer_tokens: 16\n"
+        "  bootstrap_samples: 10\n  judge_backend: openai\n"
         f"  judge_base_url: {served_judge}\n  judge_token_field: max_tokens\n"
         f"  short_form_judge: {{model: {tiny_model_dir}, max_tokens: 8}}\n")
     assert main(["eval", str(spec)]) == 0

@@ -62,6 +62,7 @@ def setup(shared_data, tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     params = load_params(REPO / "params" / "smoke.yaml", {
         "run.runs_dir": str(tmp_path_factory.mktemp("runs")), "run.name": "replay", "run.data_dir": str(shared_data),
         "retrieval.embedder": "hashing", "evaluation.max_examples": 3, "evaluation.bootstrap_samples": 20,
+        "evaluation.max_answer_tokens": 24,
         "evaluation.benchmarks": ["nq"], "evaluation.data_files": {"nq": "qa/nq.jsonl"}})
     for k in (1, 2):
         make_adapter(tiny_model_dir, params.run_dir / f"iter_0{k}" / "solver" / "adapter", seed=k)
