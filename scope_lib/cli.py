@@ -6,6 +6,7 @@
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
     scope index build --params P [--rebuild]     build or reuse the retrieval index
     scope serve retrieval --params P             Search-R1 compatible /retrieve server
+    scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...]   benchmarks -> <run>/eval/<checkpoint>/
 """
 
 from __future__ import annotations
@@ -83,6 +84,22 @@ def cmd_serve_retrieval(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from scope_lib.evaluation import evaluate
+
+    params = _params(args)
+    summaries = evaluate(params, args.checkpoint or None, args.benchmarks or None)
+    print(f"{'checkpoint':<22} {'benchmark':<16} {'scorer':<12} {'score':>7}  95% CI          invalid")
+    for s in summaries:
+        for scorer, v in s["scorers"].items():
+            value = "-" if v["value"] is None else f"{100 * v['value']:.1f}"
+            ci = f"[{100 * v['ci95'][0]:.1f}, {100 * v['ci95'][1]:.1f}]" if v["ci95"] else "-"
+            print(f"{s['checkpoint']:<22} {s['benchmark']:<16} {scorer:<12} {value:>7}  {ci:<15} "
+                  f"{v['n_invalid_units']}/{v['n_units']}")
+    print(f"results: {params.run_dir / 'eval'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scope", description="SCOPE toolkit (arXiv 2605.31433)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,17 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     retr.add_argument("--host", default="127.0.0.1")
     retr.add_argument("--port", type=int, default=8000)
     retr.set_defaults(func=cmd_serve_retrieval)
+    ev = with_params(sub.add_parser("eval", help="evaluate checkpoints on the paper's benchmarks (§4.1)"),
+                     positional=True)
+    ev.add_argument("--checkpoint", nargs="*", default=None, metavar="C",
+                    help="base, iter_NN/solver or a path (default: evaluation.checkpoints)")
+    ev.add_argument("--benchmarks", nargs="*", default=None, metavar="B",
+                    help="benchmark names (default: evaluation.benchmarks)")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from scope_lib.benchmarks import BenchmarkDataError
     from scope_lib.corpus import CorpusError
+    from scope_lib.eval_judge import JudgeUnavailable
 
     try:
         return args.func(args)
-    except (ParamsError, CorpusError, FileNotFoundError) as exc:
+    except (ParamsError, CorpusError, FileNotFoundError, BenchmarkDataError, JudgeUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

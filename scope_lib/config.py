@@ -314,18 +314,110 @@ class EngineConfig(Section):
     max_loras: int = Field(2, ge=1, description="vLLM adapters resident at once (Challenger, Solver).")
 
 
-class EvaluationConfig(Section):
-    """Evaluation (§4.1): benchmarks, the LLM judge that scores them, decoding."""
+#: The paper's 15 evaluation benchmarks (§4.1): 7 short-form QA (Table 3) and 8 open-ended (Table 2).
+BenchmarkName = Literal["nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle",
+                        "drb", "researchrubrics", "researchqa", "sqa_cs_v2", "researchplangen", "healthbench",
+                        "wildbench", "arena_hard_cw"]
+BENCHMARK_NAMES: tuple[str, ...] = BenchmarkName.__args__
 
-    benchmarks: list[str] = Field(["nq", "hotpotqa"], description="Benchmark names from the registry.")
+
+class EvalJudgeConfig(Section):
+    """One LLM judge that scores benchmark answers (§4.1)."""
+
+    model: str = Field(..., description="Judge model name as the endpoint knows it.")
+    temperature: float = Field(1.0, ge=0.0, description="Judge sampling temperature (§4.1: 1.0).")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="`reasoning_effort` sent to the endpoint; None = not sent.")
+    max_tokens: int = Field(16384, ge=1, description="Reply budget of one judge call.")
+
+
+#: Benchmark judges (§4.1). "paper": gpt-5.4-mini (T 1.0, reasoning high) for open-ended benchmarks and
+#: gpt-5-mini (T 1.0) for short-form QA. "authors_code": gpt-5-mini (T 1.0, no reasoning effort) for
+#: everything, as the authors' training scripts set it.
+EVAL_JUDGE_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "paper": {"open_ended_judge": {"model": "gpt-5.4-mini", "temperature": 1.0, "reasoning_effort": "high"},
+              "short_form_judge": {"model": "gpt-5-mini", "temperature": 1.0}},
+    "authors_code": {"open_ended_judge": {"model": "gpt-5-mini", "temperature": 1.0},
+                     "short_form_judge": {"model": "gpt-5-mini", "temperature": 1.0}},
+}
+
+
+class EvaluationConfig(Section):
+    """Evaluation (§4.1): benchmarks, the LLM judges that score them, the Solver's decoding and budgets."""
+
+    benchmarks: list[BenchmarkName] = Field(
+        list(BENCHMARK_NAMES), description="Benchmarks `scope eval` runs (§4.1: all 15).")
+    checkpoints: list[str] = Field(
+        ["base"], description="Checkpoints `scope eval` evaluates: 'base' (M0), 'iter_NN/solver' or a path.")
     max_examples: int = Field(1000, ge=1, description="Subsample benchmarks above this size (§4.1).")
-    judge_model: str = Field("gpt-5-mini", description="LLM judge for scoring (§4.1).")
-    judge_base_url: str | None = Field(None, description="OpenAI-compatible endpoint of the scoring judge.")
-    judge_temperature: float = Field(1.0, ge=0.0, description="Scoring judge temperature (§4.1).")
-    temperature: float = Field(1.0, ge=0.0, description="Solver decoding temperature (Qwen3: 1.0; others 0).")
-    max_turns: int = Field(5, ge=1, description="Search turns per task (§4.1).")
+    sample_method: Literal["scope_sorted", "drtulu_shuffle_head", "simple_evals"] = Field(
+        "scope_sorted", description="Subsampler: Random(seed).sample sorted back (authors' code), DR Tulu's "
+        "shuffle-then-head, or simple-evals' Random(0).sample.")
+    sample_seed: int = Field(42, description="Subsampling seed (the authors' code: 42).")
+    data_files: dict[str, str | list[str]] = Field(
+        {}, description="Local source file per benchmark (relative paths are under the data dir); "
+        "benchmarks not listed are read from <data dir>/benchmarks/<name>/ or downloaded there.")
+    scorers: list[Literal["scope_paper", "official"]] = Field(
+        ["scope_paper", "official"], description="scope_paper: the paper's protocol (compare with Tables "
+        "2-3); official: each benchmark's own metric.")
+    judge_preset: Literal["paper", "authors_code"] = Field(
+        "paper", description="Default judges: the paper's (§4.1) or the authors' code's (gpt-5-mini for "
+        "all); judges set explicitly below win.")
+    open_ended_judge: EvalJudgeConfig = Field(
+        default_factory=lambda: EvalJudgeConfig(**EVAL_JUDGE_PRESETS["paper"]["open_ended_judge"]),
+        description="Judge of the open-ended benchmarks (§4.1: gpt-5.4-mini, T 1.0, reasoning high).")
+    short_form_judge: EvalJudgeConfig = Field(
+        default_factory=lambda: EvalJudgeConfig(**EVAL_JUDGE_PRESETS["paper"]["short_form_judge"]),
+        description="Judge of the short-form QA benchmarks (§4.1: gpt-5-mini, T 1.0).")
+    benchmark_judges: dict[str, EvalJudgeConfig] = Field(
+        {}, description="Per-benchmark judge overrides, e.g. {healthbench: {model: gpt-4.1, temperature: 0.5}}.")
+    judge_backend: Literal["openai", "local"] = Field(
+        "openai", description="'openai': any /v1/chat/completions endpoint; 'local': the run's own engine "
+        "(offline smoke runs).")
+    judge_base_url: str | None = Field(None, description="Judge endpoint; None = https://api.openai.com.")
+    judge_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the judge's key.")
+    judge_token_field: Literal["max_completion_tokens", "max_tokens"] = Field(
+        "max_completion_tokens", description="Request field for the reply budget (OpenAI reasoning models "
+        "need max_completion_tokens; `transformers serve` takes max_tokens).")
+    judge_concurrency: int = Field(16, ge=1, description="Judge requests in flight.")
+    judge_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout of the judge.")
+    judge_max_retries: int = Field(5, ge=0, description="Retries with backoff for failed judge requests.")
+    judge_parse_retries: int = Field(2, ge=0, description="New samples asked for an unparseable judge reply.")
+    judge_invalid: Literal["drop", "worst"] = Field(
+        "drop", description="A judge unit still unparseable after retries: dropped from the score, or given "
+        "the outcome worst for the answer. Counted and reported either way.")
+    judge_cache: bool = Field(True, description="Cache judge replies on disk keyed by the full request.")
+    judge_prices: dict[str, tuple[float, float]] = Field(
+        {}, description="USD per million (input, output) tokens per judge model, for cost accounting.")
+    temperature: float | None = Field(
+        None, ge=0.0, description="Solver decoding temperature; None = the paper's (§4.1: Qwen3 1.0, "
+        "others greedy).")
+    max_searches: int = Field(5, ge=0, description="Search turns per task (§4.1); the Solver gets one more "
+                              "turn to answer.")
     max_answer_tokens: int = Field(16384, ge=1, description="Answer budget (§4.1).")
     context_tokens: int = Field(24576, ge=1, description="Context window (§4.1).")
+    seeds: list[int] = Field([0], min_length=1, description="Decoding seeds; one trajectory per item and seed.")
+    force_answer: int = Field(
+        0, ge=0, description="Nudges to answer when a rollout ends without <answer> (the authors' code: 5; "
+        "the paper: none).")
+    rollout_batch_size: int = Field(256, ge=1, description="Items rolled out together (one engine call per turn).")
+    bootstrap_samples: int = Field(1000, ge=0, description="Bootstrap resamples for confidence intervals.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        """The preset's judges under whatever the file sets explicitly (a partial judge keeps the rest of
+        the preset's values: overriding the model alone keeps reasoning_effort)."""
+        if not isinstance(data, dict) or data.get("judge_preset", "paper") not in EVAL_JUDGE_PRESETS:
+            return data
+        data = dict(data)
+        for key, preset in EVAL_JUDGE_PRESETS[data.get("judge_preset", "paper")].items():
+            given = data.get(key)
+            if given is None:
+                data[key] = dict(preset)
+            elif isinstance(given, dict):
+                data[key] = {**preset, **given}
+        return data
 
 
 class RunConfig(Section):
