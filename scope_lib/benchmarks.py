@@ -786,7 +786,7 @@ def select_items(params: Params, name: str) -> tuple[list[Item], dict[str, Any]]
 
 
 def solver_conversation(spec: BenchmarkSpec, item: Item, dialect, max_searches: int,
-                        variant: str | None = None) -> list[dict[str, str]]:
+                        variant: str = "paper") -> list[dict[str, str]]:
     """What the Solver is given: the Solver prompt around the question (single-turn benchmarks; `variant` is the
     Solver prompt the checkpoint was trained with, `solver.prompt`), the native conversation with the search
     instructions on its first user turn (multi-turn benchmarks), or the raw prompt (Arena-Hard creative writing,
@@ -797,7 +797,7 @@ def solver_conversation(spec: BenchmarkSpec, item: Item, dialect, max_searches: 
         return [dict(m) for m in item.messages]
     if spec.prompt_kind == "solver":
         question = qa_question(item.question) if spec.kind == "short_form" else item.question
-        return solver_messages(question, dialect, max_searches, *([variant] if variant else []))
+        return solver_messages(question, dialect, max_searches, variant)
     preamble = S.render("solver_preamble", search_example=dialect.search_example,
                         results_description=dialect.results_description, max_search_turns=max_searches)
     messages = [dict(m) for m in item.messages]

@@ -326,7 +326,7 @@ def run_solver(params: Params, policy: Policy, benchmark: str, items: list[Item]
         traj = load_trajectory(record)
         by_key[(traj.meta["item_id"], traj.meta["seed"])] = traj
     tokenizer = policy.engine.tokenizer
-    variant = getattr(params.solver, "prompt", None)   # the Solver prompt variant, where the config has one
+    variant = params.solver.prompt   # the Solver prompt variant (Figure 10 or long-form)
     todo = [(seed, item) for seed in seeds for item in items if (item.id, seed) not in by_key]
     batches = [todo[i:i + e.rollout_batch_size] for i in range(0, len(todo), e.rollout_batch_size)]
     for batch in tqdm(batches, desc=f"{name} on {benchmark}", disable=not batches, leave=False):
@@ -762,9 +762,8 @@ def coevolution_matrix(params: Params, policies: dict[str, Policy], judge, *, re
         for name, policy in policies.items():
             store = RecordLog(eval_dir(params, name, f"pool_iter_{it:02d}") / "trajectories.jsonl")
             stored = {r["meta"]["challenger_id"]: load_trajectory(r) for r in store}
-            variant = [params.solver.prompt] if hasattr(params.solver, "prompt") else []
             fresh = [new_trajectory(f"{name}/pool_iter_{it:02d}/{t.id}", "solver",
-                                    solver_messages(t.task, dialect, params.solver.max_searches, *variant),
+                                    solver_messages(t.task, dialect, params.solver.max_searches, params.solver.prompt),
                                     policy.engine.tokenizer, max_searches=params.solver.max_searches,
                                     meta={"challenger_id": t.id}) for t in tasks if t.id not in stored]
             if fresh:

@@ -35,8 +35,9 @@ def cache_env(tmp_path, tiny_model_dir):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "tiny").symlink_to(Path(tiny_model_dir).parent, target_is_directory=True)
+    # one thread each: the uninterrupted and the killed run share the machine's cores
     return {**os.environ, "SCOPE_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def prepare(runs_dir, data_dir, tiny_model_dir, settings, *, pool: bool):
