@@ -338,11 +338,12 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
 
 
 def science_yaml(params: Params) -> str:
-    """The parameters that decide results: everything but the `run` section (names and folders), so a run
-    folder can be moved or renamed and still resume."""
+    """The parameters that decide training results: everything but `run` (names and folders, so a run folder
+    can be moved and still resume) and `evaluation` (how checkpoints are measured afterwards)."""
     import yaml
 
-    return yaml.safe_dump({k: v for k, v in params.model_dump(mode="json").items() if k != "run"}, sort_keys=True)
+    return yaml.safe_dump({k: v for k, v in params.model_dump(mode="json").items() if k not in ("run", "evaluation")},
+                          sort_keys=True)
 
 
 def _restore_roles(run: SelfPlayRun) -> None:
