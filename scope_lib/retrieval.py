@@ -802,6 +802,10 @@ def cached_corpus_sha256(corpus_path: str | os.PathLike, cache_dir: str | os.Pat
     return digest
 
 
+class IndexCheckError(RetrievalError):
+    """`scope index check` failed; the message is its table."""
+
+
 class IndexTooLargeError(RetrievalError):
     """The memory plan says the build would not fit in `retrieval.memory_budget_gb` (or the free RAM)."""
 
@@ -1146,6 +1150,6 @@ __all__ = [
     "IndexMismatchError", "MiniLMOfflineEmbedder", "RetrievalError", "Retriever", "RetrieverUnavailable",
     "ScopeEmbedder", "build_index", "build_or_open_index", "cached_corpus_sha256", "check_index", "count_tokens",
     "format_results", "format_results_batch", "index_fingerprint", "index_is_built", "index_path",
-    "IndexTooLargeError", "make_chroma_client", "make_embedder", "neutralize", "open_index", "open_retriever",
+    "IndexCheckError", "IndexTooLargeError", "make_chroma_client", "make_embedder", "neutralize", "open_index", "open_retriever",
     "passages_sha256", "resolve_device", "store_path",
 ]

@@ -305,6 +305,12 @@ def open_faiss(root: Path, cfg: RetrievalConfig, embedder: ScopeEmbedder, passag
     if manifest is None or manifest.get("status") != "complete":
         raise FileNotFoundError(f"no complete faiss index {cfg.faiss_factory!r} at {directory}")
     index = faiss.read_index(str(directory / "index.faiss"))
+    if index.ntotal != passages.n_passages or index.d != embeddings.dimension:
+        from scope_lib.retrieval import REBUILD_HINT, IndexMismatchError
+
+        raise IndexMismatchError(f"the faiss index at {directory} holds {index.ntotal} vectors of dimension "
+                                 f"{index.d}, but the store has {passages.n_passages} passages embedded in "
+                                 f"{embeddings.dimension} dimensions (a damaged or replaced index file). {REBUILD_HINT}")
     fingerprint = {**passages.fingerprint, **embeddings.fingerprint, "scope_dimension": embeddings.dimension,
                    **{k: v for k, v in manifest["fingerprint"].items() if k != "scope_embeddings"},
                    "scope_n_passages": passages.n_passages}
