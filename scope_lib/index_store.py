@@ -289,6 +289,10 @@ class EmbeddingStore:
                 self._maps[s] = np.load(self.directory / f"shard_{s:05d}.npy", mmap_mode="r")
             return self._maps[s]
 
+    def load_shard(self, s: int) -> np.ndarray:
+        """Shard `s` read into memory (builds: freed when dropped, unlike mapped pages that stay resident)."""
+        return np.load(self.directory / f"shard_{s:05d}.npy")
+
     def rows(self, rows: np.ndarray) -> np.ndarray:
         """The embeddings of these passage rows, (len(rows), dim); only those pages are read."""
         rows = np.asarray(rows, dtype=np.int64).ravel()

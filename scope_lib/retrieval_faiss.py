@@ -148,13 +148,14 @@ def build_faiss_index(embeddings: EmbeddingStore, cfg: RetrievalConfig, director
                              "or Flat for a corpus this small")
         work.train(sample)
         del sample
+        embeddings.close()  # unmap what sampling touched
     with tqdm(total=embeddings.n_vectors, desc=f"faiss {cfg.faiss_factory}", unit="vector",
               disable=not progress) as bar:
         if _is_flat(work):
             _fill_flat(work, embeddings, bar)
         else:
             for s in range(len(embeddings.shard_counts)):
-                shard = embeddings.shard(s)
+                shard = embeddings.load_shard(s)
                 for i in range(0, len(shard), 65_536):
                     block = np.ascontiguousarray(shard[i:i + 65_536])
                     work.add(block)
@@ -186,7 +187,7 @@ def _fill_flat(index: Any, embeddings: EmbeddingStore, bar: tqdm) -> None:
     storage = faiss.rev_swig_ptr(inner.codes.data(), n * d * 4).view(np.float32).reshape(n, d)
     start = 0
     for s in range(len(embeddings.shard_counts)):
-        shard = embeddings.shard(s)
+        shard = embeddings.load_shard(s)
         storage[start:start + len(shard)] = shard
         start += len(shard)
         bar.update(len(shard))
