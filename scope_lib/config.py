@@ -125,7 +125,7 @@ class RetrievalConfig(Section):
     faiss_nprobe: int = Field(32, ge=1, description="IVF lists searched per query (search time; recall vs speed).")
     faiss_rerank: int = Field(
         0, ge=0, description="Re-rank this many candidates per query by exact inner product against the "
-        "memory-mapped float32 embeddings (0 = off); lifts a compressed index's recall to near exact.")
+        "float32 embeddings read from disk (0 = off); lifts a compressed index's recall to near exact.")
     faiss_gpu: bool = Field(
         False, description="Train and search on the GPU when the FAISS GPU build sees one (else CPU, warned).")
     shard_passages: int = Field(

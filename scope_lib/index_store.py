@@ -13,8 +13,8 @@ manifest (also renamed into place) records what is complete:
     bm25/<settings>/  bm25s arrays + manifest.json        (scope_lib.retrieval_bm25)
 
 Nothing is held in memory but one shard at a time while building, and the offsets (memory-mapped) while
-searching: a hit's text is read from disk by offset (`PassageStore.get`), and embeddings are memory-mapped
-(`EmbeddingStore.shard`). A resumed build skips the complete shards (the corpus stream is read past them
+searching: a hit's text is read from disk by offset (`PassageStore.get`), and so is a re-ranked candidate's
+embedding (`EmbeddingStore.rows`). A resumed build skips the complete shards (the corpus stream is read past them
 without embedding anything) and ends byte-identical to an uninterrupted one.
 """
 
@@ -263,7 +263,10 @@ def embedding_text(passage: Passage) -> str:
 
 
 class EmbeddingStore:
-    """Float32 embeddings of a PassageStore, one .npy per passage shard, memory-mapped when read."""
+    """Float32 embeddings of a PassageStore, one .npy per passage shard. Rows are read from disk by offset
+    (`rows`, for re-ranking and training samples) or a shard at a time (`load_shard`, for builds); nothing is
+    memory-mapped, because mapped pages count as the process's resident memory (and read-ahead maps whole
+    files), which would blur what an index really needs."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
@@ -275,44 +278,59 @@ class EmbeddingStore:
         self.shard_counts = [int(n) for n in manifest["shards"]]
         self.shard_size = int(manifest["shard_passages"])
         self.n_vectors = sum(self.shard_counts)
-        self._maps: dict[int, np.ndarray] = {}
+        self._files: dict[int, tuple[int, int]] = {}  # shard -> (fd, byte offset of row 0)
         self._lock = threading.Lock()
 
     @property
     def fingerprint(self) -> dict[str, Any]:
         return dict(self.manifest["fingerprint"])
 
-    def shard(self, s: int) -> np.ndarray:
-        """Shard `s` as a read-only memory map (n_s, dim)."""
-        with self._lock:
-            if s not in self._maps:
-                self._maps[s] = np.load(self.directory / f"shard_{s:05d}.npy", mmap_mode="r")
-            return self._maps[s]
-
     def load_shard(self, s: int) -> np.ndarray:
-        """Shard `s` read into memory (builds: freed when dropped, unlike mapped pages that stay resident)."""
+        """Shard `s` read into memory, (n_s, dim)."""
         return np.load(self.directory / f"shard_{s:05d}.npy")
 
+    def _file(self, s: int) -> tuple[int, int]:
+        with self._lock:
+            if s not in self._files:
+                path = self.directory / f"shard_{s:05d}.npy"
+                with open(path, "rb") as f:
+                    version = np.lib.format.read_magic(f)
+                    if version == (1, 0):
+                        np.lib.format.read_array_header_1_0(f)
+                    else:
+                        np.lib.format.read_array_header_2_0(f)
+                    offset = f.tell()
+                self._files[s] = (os.open(path, os.O_RDONLY), offset)
+            return self._files[s]
+
     def rows(self, rows: np.ndarray) -> np.ndarray:
-        """The embeddings of these passage rows, (len(rows), dim); only those pages are read."""
+        """The embeddings of these passage rows, (len(rows), dim), each read from disk by its offset."""
         rows = np.asarray(rows, dtype=np.int64).ravel()
+        width = self.dimension * 4
         out = np.empty((len(rows), self.dimension), dtype=np.float32)
-        shards, local = np.divmod(rows, self.shard_size)
-        for s in np.unique(shards):
-            mask = shards == s
-            out[mask] = self.shard(int(s))[local[mask]]
+        for i, row in enumerate(rows.tolist()):
+            s, local = divmod(row, self.shard_size)
+            fd, offset = self._file(s)
+            out[i] = np.frombuffer(os.pread(fd, width, offset + local * width), dtype=np.float32)
         return out
 
     def sample(self, n: int, seed: int = 0) -> np.ndarray:
-        """n rows drawn without replacement (seeded), all rows when n >= the total."""
+        """n rows drawn without replacement (seeded), in row order; all rows when n >= the total. Read one
+        shard at a time: the peak is one shard plus the sample."""
         if n >= self.n_vectors:
-            return np.concatenate([np.asarray(self.shard(s)) for s in range(len(self.shard_counts))])
+            return np.concatenate([self.load_shard(s) for s in range(len(self.shard_counts))])
         rows = np.sort(np.random.default_rng(seed).choice(self.n_vectors, size=n, replace=False))
-        return self.rows(rows)
+        shards, local = np.divmod(rows, self.shard_size)
+        parts = []
+        for s in np.unique(shards):
+            parts.append(self.load_shard(int(s))[local[shards == s]])
+        return np.concatenate(parts)
 
     def close(self) -> None:
         with self._lock:
-            self._maps.clear()
+            for fd, _ in self._files.values():
+                os.close(fd)
+            self._files.clear()
 
 
 def embeddings_fingerprint(embedder: ScopeEmbedder, passages: PassageStore) -> dict[str, Any]:

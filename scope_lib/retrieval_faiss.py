@@ -4,10 +4,10 @@
 ``Flat`` is exact search (the authors' e5_Flat index, App. G / §9 of the implementation notes), ``HNSW32``
 and ``HNSW32,SQ8`` are graphs, ``IVF4096,SQ8`` / ``IVF4096,PQ64`` are compressed inverted files, trained on
 `retrieval.faiss_train_size` embeddings sampled (seeded) from the build. `retrieval.faiss_rerank` re-scores a
-compressed index's candidates exactly against the float32 embeddings memory-mapped from disk.
+compressed index's candidates exactly against the float32 embeddings, read from disk by offset.
 
 Building (resumable at every stage; see `scope_lib.index_store`): passages to disk -> embeddings to disk
-(batched, GPU when the embedder runs there) -> train + add from the memory-mapped embeddings -> one
+(batched, GPU when the embedder runs there) -> train + add from the embedding shards, one at a time -> one
 ``index.faiss`` written atomically. Different factory strings over the same corpus and embedder share the
 passages and embeddings, so trying another index type costs no re-embedding.
 """
@@ -119,7 +119,7 @@ def _to_gpu(index: Any) -> Any:
 
 def build_faiss_index(embeddings: EmbeddingStore, cfg: RetrievalConfig, directory: str | os.PathLike, *,
                       progress: bool = True) -> StageStats:
-    """Train (if the type needs it) and fill the index from the memory-mapped embedding shards, and write
+    """Train (if the type needs it) and fill the index from the embedding shards (one in memory at a time), and write
     ``index.faiss`` + manifest atomically; a complete index with the same settings is reused. A build killed
     here restarts this stage only (from the embeddings on disk)."""
     faiss = _faiss()
@@ -148,7 +148,6 @@ def build_faiss_index(embeddings: EmbeddingStore, cfg: RetrievalConfig, director
                              "or Flat for a corpus this small")
         work.train(sample)
         del sample
-        embeddings.close()  # unmap what sampling touched
     with tqdm(total=embeddings.n_vectors, desc=f"faiss {cfg.faiss_factory}", unit="vector",
               disable=not progress) as bar:
         if _is_flat(work):
@@ -254,7 +253,7 @@ class FaissRetriever:
         return into
 
     def _rerank(self, queries: np.ndarray, found: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Exact inner products of each query with its candidates (embeddings read from the memory map)."""
+        """Exact inner products of each query with its candidates (embeddings read from disk by offset)."""
         valid = found >= 0
         vectors = self.embeddings.rows(np.where(valid, found, 0)).reshape(*found.shape, self.dimension)
         exact = np.einsum("qd,qcd->qc", queries, vectors)
