@@ -4,8 +4,10 @@
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
-    scope index build --params P [--rebuild]     build or reuse the retrieval index
-    scope serve retrieval --params P             Search-R1 compatible /retrieve server
+    scope index plan --params P                  memory, disk and build time of every index type, side by side
+    scope index build --params P [--rebuild]     build or reuse the retrieval index (refused if it cannot fit)
+    scope index check --params P                 canary queries, results and fingerprints: pass/fail table
+    scope serve retrieval --params P             Search-R1 compatible /retrieve server (any backend)
     scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...]   benchmarks -> <run>/eval/<checkpoint>/
 """
 
@@ -72,15 +74,32 @@ def cmd_data_fetch(args) -> int:
 def cmd_index_build(args) -> int:
     from scope_lib.retrieval import build_or_open_index
 
-    retriever = build_or_open_index(_params(args), rebuild=args.rebuild)
-    print(f"index ready: {retriever.count()} passages")
+    retriever = build_or_open_index(_params(args), rebuild=args.rebuild, force=args.force)
+    print(f"index ready: {retriever.describe()}")
     return 0
+
+
+def cmd_index_plan(args) -> int:
+    from scope_lib.index_plan import plan_index
+
+    plan = plan_index(_params(args), measure=not args.no_measure, n_passages=args.passages,
+                      factories=args.factories)
+    print(plan)
+    return 0
+
+
+def cmd_index_check(args) -> int:
+    from scope_lib.retrieval import check_index
+
+    report = check_index(_params(args))
+    print(report.table())
+    return 0 if report.passed else 1
 
 
 def cmd_serve_retrieval(args) -> int:
     from scope_lib.retrieval_server import serve
 
-    serve(_params(args), host=args.host, port=args.port)
+    serve(_params(args), host=args.host, port=args.port, force=args.force)
     return 0
 
 
@@ -133,14 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_data_fetch)
 
     index = sub.add_parser("index", help="retrieval index").add_subparsers(dest="what", required=True)
-    build = with_params(index.add_parser("build", help="build or reuse the chroma index"))
+    build = with_params(index.add_parser("build", help="build or reuse the retrieval index"))
     build.add_argument("--rebuild", action="store_true", help="rebuild even if an index exists")
+    build.add_argument("--force", action="store_true", help="build even if the memory plan says it won't fit")
     build.set_defaults(func=cmd_index_build)
+    plan = with_params(index.add_parser("plan", help="memory, disk and build time per index type"))
+    plan.add_argument("--passages", type=int, help="plan for this many passages (default: the corpus's)")
+    plan.add_argument("--factories", nargs="+", help="faiss factory strings to compare (default: a standard set)")
+    plan.add_argument("--no-measure", action="store_true", help="do not time the embedder (no build times)")
+    plan.set_defaults(func=cmd_index_plan)
+    check = with_params(index.add_parser("check", help="canary queries and fingerprints; exit 1 on failure"))
+    check.set_defaults(func=cmd_index_check)
 
     serve = sub.add_parser("serve", help="servers").add_subparsers(dest="what", required=True)
     retr = with_params(serve.add_parser("retrieval", help="Search-R1 compatible /retrieve server"))
     retr.add_argument("--host", default="127.0.0.1")
     retr.add_argument("--port", type=int, default=8000)
+    retr.add_argument("--force", action="store_true", help="build the index even if the plan says it won't fit")
     retr.set_defaults(func=cmd_serve_retrieval)
     ev = with_params(sub.add_parser("eval", help="evaluate checkpoints on the paper's benchmarks (§4.1)"),
                      positional=True)
@@ -158,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     from scope_lib.benchmarks import BenchmarkDataError
     from scope_lib.corpus import CorpusError
     from scope_lib.eval_judge import JudgeUnavailable
+    from scope_lib.retrieval import RetrievalError
 
     try:
         return args.func(args)
-    except (ParamsError, CorpusError, FileNotFoundError, BenchmarkDataError, JudgeUnavailable) as exc:
+    except (ParamsError, CorpusError, FileNotFoundError, BenchmarkDataError, JudgeUnavailable, RetrievalError,
+            ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -120,8 +120,30 @@ class RetrievalConfig(Section):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="Malformed corpus lines: stop with file:line, or skip them and report counts.")
     max_passages: int | None = Field(None, ge=1, description="Index only the first N passages; None = all.")
-    backend: Literal["chroma", "http"] = Field(
-        "chroma", description="'chroma': our chromadb index; 'http': any Search-R1 style /retrieve server.")
+    backend: Literal["chroma", "faiss", "bm25", "http"] = Field(
+        "chroma", description="'chroma': chromadb (small corpora); 'faiss': a FAISS index (`faiss_factory`; "
+        "Flat = the paper's exact search, App. G); 'bm25': lexical BM25 (bm25s, no embedder); 'http': any "
+        "Search-R1 style /retrieve server.")
+    index_dir: str | None = Field(
+        None, description="Where local indexes live; None = <run_dir>/index. Share one across runs to reuse it.")
+    faiss_factory: str = Field(
+        "Flat", min_length=1, description="FAISS index factory string: 'Flat' = exact inner product (the "
+        "paper's e5_Flat), 'HNSW32,SQ8', 'IVF4096,SQ8', 'IVF4096,PQ64', ... (`scope index plan` compares).")
+    faiss_train_size: int = Field(
+        200_000, ge=1, description="Embeddings sampled (seeded) to train IVF / PQ / SQ indexes.")
+    faiss_nprobe: int = Field(32, ge=1, description="IVF lists searched per query (search time; recall vs speed).")
+    faiss_rerank: int = Field(
+        0, ge=0, description="Re-rank this many candidates per query by exact inner product against the "
+        "float32 embeddings read from disk (0 = off); lifts a compressed index's recall to near exact.")
+    faiss_gpu: bool = Field(
+        False, description="Train and search on the GPU when the FAISS GPU build sees one (else CPU, warned).")
+    shard_passages: int = Field(
+        50_000, ge=1, description="Passages per on-disk shard of a faiss / bm25 build: the unit of resume.")
+    bm25_k1: float = Field(1.5, gt=0, description="BM25 term-frequency saturation k1 (bm25s, Lucene variant).")
+    bm25_b: float = Field(0.75, ge=0, le=1, description="BM25 length normalisation b.")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Memory an index build may use; None = the machine's available RAM. "
+        "`scope index build` refuses a build the plan says exceeds it (unless --force).")
     chroma_mode: Literal["embedded", "server"] = Field(
         "embedded", description="chromadb PersistentClient in the run dir, or HttpClient to `chroma run`.")
     chroma_host: str = Field("127.0.0.1", description="chroma server host (server mode).")
@@ -135,9 +157,9 @@ class RetrievalConfig(Section):
     embedder_device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
     embed_batch_size: int = Field(256, ge=1, description="Passages per embedding batch.")
     add_batch_size: int = Field(4096, ge=1, description="Passages per chromadb add call.")
-    hnsw_ef_search: int = Field(128, ge=1, description="HNSW search breadth (recall vs speed).")
-    hnsw_ef_construction: int = Field(200, ge=1, description="HNSW build breadth.")
-    hnsw_max_neighbors: int = Field(32, ge=2, description="HNSW graph degree M.")
+    hnsw_ef_search: int = Field(128, ge=1, description="HNSW search breadth, chroma and faiss (recall vs speed).")
+    hnsw_ef_construction: int = Field(200, ge=1, description="HNSW build breadth, chroma and faiss.")
+    hnsw_max_neighbors: int = Field(32, ge=2, description="HNSW graph degree M (chroma; faiss: 'HNSW<M>').")
     top_k: int = Field(3, ge=1, description="Documents per query (Table 9).")
     max_result_tokens: int = Field(500, ge=1, description="Token budget of one search's results (Table 9).")
     timeout_s: float = Field(30.0, gt=0, description="HTTP timeout for a /retrieve or chroma server.")

@@ -43,3 +43,28 @@ def tiny_tokenizer(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tok.padding_side = "left"
     return tok
+
+
+@pytest.fixture(scope="session")
+def minilm_embedder():
+    """The real offline MiniLM embedder, shared by the tests that index the 1000-passage sample with it (each
+    back end's recall test): it remembers the embeddings it computed, so the sample is embedded once per
+    session (~40 s on 2 CPU cores) instead of once per back end. Its outputs are MiniLM's own."""
+    import numpy as np
+
+    from scope_lib.retrieval import MiniLMOfflineEmbedder
+
+    class Remembering(MiniLMOfflineEmbedder):
+        def __init__(self):
+            super().__init__(device="cpu", batch_size=16)
+            self._seen: dict[tuple[bool, str], np.ndarray] = {}
+
+        def _embed(self, texts, query):
+            missing = list(dict.fromkeys(t for t in texts if (query, t) not in self._seen))
+            if missing:
+                for text, row in zip(missing, super()._embed(missing, query)):
+                    self._seen[(query, text)] = row
+            return np.stack([self._seen[(query, t)] for t in texts]) if texts else super()._embed([], query)
+
+    return Remembering()
+
