@@ -300,7 +300,7 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     from scope_lib.dialects import get_dialect
     from scope_lib.engines import make_engine
     from scope_lib.judge import judge_models, make_judge
-    from scope_lib.retrieval import open_retriever
+    from scope_lib.retrieval import check_index, open_retriever
     from scope_lib.runs import write_manifest
     from scope_lib.training import Policy
 
@@ -311,6 +311,9 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
                     params.engine.backend)
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
     retriever = retriever or open_retriever(params)
+    report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
+    log.info("%s", report.table())
+    report.raise_if_failed()
     policy = policy or Policy.load(params)
     engine = engine or policy.engine
     if judge is None:

@@ -193,3 +193,17 @@ def test_the_notebook_04_tables_read_a_finished_run(two_iterations):
     assert [e["iteration"] for e in examples] == [1, 2]
     assert all(e["task"] and e["rubrics"] for e in examples)
     assert any(e["verdicts"] and len(e["verdicts"]) == len(e["rubrics"]) for e in examples)
+
+
+def test_training_refuses_an_index_that_fails_its_check(tmp_path, wiki_sample):
+    """`scope index check` runs before any training: an index that answers nothing stops the run."""
+    from scope_lib.retrieval import IndexCheckError
+
+    class Silent:
+        def search(self, queries, k=None):
+            return [[] for _ in queries]
+
+    params = fast_params(tmp_path, wiki_sample.parent)
+    with pytest.raises(IndexCheckError, match="canaries"):
+        open_run(params, retriever=Silent())
+    assert not (params.run_dir / "manifest.json").exists()
