@@ -2,6 +2,7 @@
 
     scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
+    scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
     scope index plan --params P                  memory, disk and build time of every index type, side by side
@@ -45,6 +46,15 @@ def cmd_train(args) -> int:
     print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
           f"{len(result.alarms)} health alarm(s)")
     return 0
+
+
+def cmd_plan(args) -> int:
+    from scope_lib.gpu_plan import plan_gpu
+
+    report = plan_gpu(_params(args), gpu_gib=args.gpu_gib, gpus=args.gpus, engine=args.engine,
+                      sleep=not args.no_sleep)
+    print(report.table())
+    return 0 if report.fits else 1
 
 
 def cmd_params_show(args) -> int:
@@ -139,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)
     train.set_defaults(func=cmd_train)
+
+    gpu = with_params(sub.add_parser("plan", help="GPU memory of a run, per GPU (exit 1 if it cannot fit)"))
+    gpu.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100: 80, H200: 141)")
+    gpu.add_argument("--gpus", type=int, default=1, help="GPUs the trainer is spread over")
+    gpu.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default: params)")
+    gpu.add_argument("--no-sleep", action="store_true", help="vLLM stays awake while the trainer steps")
+    gpu.set_defaults(func=cmd_plan)
 
     params = sub.add_parser("params", help="inspect parameters").add_subparsers(dest="what", required=True)
     with_params(params.add_parser("show", help="print resolved parameters"), positional=True).set_defaults(

@@ -304,8 +304,9 @@ class GRPOConfig(Section):
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std (eq. 2).")
     num_epochs: int = Field(1, ge=1, description="PPO epochs per batch (the authors: 1).")
     per_device_batch_size: int = Field(
-        8, ge=1, description="Micro-batch of rollouts per device; the gradient accumulation steps follow from "
-        "it: batch_size x G = per_device_batch_size x devices x accumulation.")
+        2, ge=1, description="Micro-batch of rollouts per device; the gradient accumulation steps follow from "
+        "it: batch_size x G = per_device_batch_size x devices x accumulation. 2 rows of 10k tokens of an 8B "
+        "model take about 10 GiB of activations with checkpointing (`scope plan`).")
     gradient_checkpointing: bool = Field(True, description="Trade compute for memory.")
     seed: int = Field(42, description="Base seed of the trainers; each stage of each iteration derives its own.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
@@ -324,13 +325,18 @@ class EngineConfig(Section):
     backend: Backend = Field("vllm", description="Policy rollouts: 'hf' (CPU/GPU), 'vllm' (GPU), 'openai'.")
     judge_backend: Backend | None = Field(None, description="Judge engine; None = same as `backend`.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (hf backend).")
+    max_batch_size: int | None = Field(
+        None, ge=1, description="hf backend: rows per model.generate call (a turn's batch is split into chunks of "
+        "this size, longest prompts first); None = the whole batch at once. Bounds the KV cache on a GPU.")
     base_url: str | None = Field(None, description="OpenAI-compatible server for the 'openai' backend.")
     judge_base_url: str | None = Field(None, description="Server for a served Judge; None = `base_url`.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
     concurrency: int = Field(32, ge=1, description="Requests in flight (openai backend).")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (openai backend).")
     max_retries: int = Field(3, ge=0, description="Retries with backoff for failed requests.")
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0, description="vLLM memory share.")
+    gpu_memory_utilization: float = Field(
+        0.6, gt=0.0, le=1.0, description="vLLM's share of the GPU (weights + KV cache); 0.6 leaves the trainer "
+        "room on one 80 GB GPU (`scope plan`).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_loras: int = Field(2, ge=1, description="vLLM adapters resident at once (Challenger, Solver).")

@@ -814,7 +814,8 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
             tokenizer = tokenizer or loaded_tokenizer
         if tokenizer is None:
             raise ValueError("make_engine(backend='hf'): pass the tokenizer together with the model")
-        return HFEngine(model, tokenizer, max_model_len=params.model.max_model_len)
+        return HFEngine(model, tokenizer, max_model_len=params.model.max_model_len,
+                        max_batch_size=cfg.max_batch_size)
     if backend == "vllm":
         return VLLMEngine(
             model_source(params, role, name), tokenizer=tokenizer,

@@ -150,7 +150,7 @@ class Policy:
         self.base = base
         base.requires_grad_(False)
         device = str(next(base.parameters()).device)
-        length = params.model.max_model_len
+        length, chunk = params.model.max_model_len, params.engine.max_batch_size
         if self.finetuning == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -162,14 +162,14 @@ class Policy:
                 self.model = get_peft_model(base, config, adapter_name="challenger")
                 self.model.add_adapter("solver", config)
             self.models: dict[str, Any] = {}
-            self.engine: Engine = HFEngine(self.model, tokenizer, max_model_len=length)
+            self.engine: Engine = HFEngine(self.model, tokenizer, max_model_len=length, max_batch_size=chunk)
         else:
             import copy
 
             self.model = None
             self.models = {role: copy.deepcopy(base).requires_grad_(True) for role in ROLES}
-            self.engine = RoleEngine({None: HFEngine(base, tokenizer, max_model_len=length),
-                                      **{r: HFEngine(m, tokenizer, max_model_len=length)
+            self.engine = RoleEngine({None: HFEngine(base, tokenizer, max_model_len=length, max_batch_size=chunk),
+                                      **{r: HFEngine(m, tokenizer, max_model_len=length, max_batch_size=chunk)
                                          for r, m in self.models.items()}})
         log.info("policy: %s fine-tuning of %s on %s", self.finetuning, params.model.base, device)
 
