@@ -309,6 +309,10 @@ class GRPOConfig(Section):
         "model take about 10 GiB of activations with checkpointing (`scope plan`).")
     gradient_checkpointing: bool = Field(True, description="Trade compute for memory.")
     seed: int = Field(42, description="Base seed of the trainers; each stage of each iteration derives its own.")
+    importance_sampling: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate", description="When rollouts come from a serving engine (vLLM) rather than the trained "
+        "model: correct for the gap between the two with this importance-sampling ratio (TRL's modes).")
+    importance_sampling_clip: float = Field(3.0, gt=1.0, description="Cap (truncate) or cut-off (mask) of that ratio.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         [], description="Also log TRL's metrics there (off by default; metrics.jsonl is always written).")
 
@@ -339,7 +343,10 @@ class EngineConfig(Section):
         "room on one 80 GB GPU (`scope plan`).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
-    max_loras: int = Field(2, ge=1, description="vLLM adapters resident at once (Challenger, Solver).")
+    max_loras: int = Field(3, ge=1, description="vLLM adapters resident at once (Challenger, Solver, and the new "
+                           "version of the one being trained while the old one is still loaded).")
+    sleep_mode: bool = Field(True, description="vLLM sleeps (level 1) while the trainer steps on the same GPU and "
+                             "wakes before the next rollout.")
 
 
 #: The paper's 15 evaluation benchmarks (§4.1): 7 short-form QA (Table 3) and 8 open-ended (Table 2).

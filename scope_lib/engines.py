@@ -440,6 +440,11 @@ class VLLMEngine:
     (after temperature, like TRL's colocate mode), so they follow the same definition as HFEngine's.
 
     Each prompt gets its own seed (`seed + i`), so the G copies of a prompt in a GRPO group differ.
+
+    Sharing one GPU with the trainer: `sleep()` (level 1 offloads the weights to CPU memory and frees the KV
+    cache; the base never changes, so nothing is re-sent) while the trainer steps, `wake_up()` before the next
+    rollout; `generate` wakes a sleeping engine itself. `llm` takes an existing engine (e.g. Unsloth's
+    `fast_inference` one, which shares the trainer's weights) instead of building one.
     """
 
     name = "vllm"
@@ -448,19 +453,24 @@ class VLLMEngine:
                  max_lora_rank: int = 64, enable_prefix_caching: bool = True,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, seed: int = 0, dtype: str = "auto",
-                 eos_token_ids: Iterable[int] | None = None, **llm_kwargs: Any):
-        try:
-            import vllm
-        except ImportError as exc:
-            raise ImportError(_VLLM_MISSING) from exc
-        kwargs: dict[str, Any] = dict(
-            model=str(model), enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, seed=seed, dtype=dtype, logprobs_mode="processed_logprobs")
-        if enable_lora:
-            kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        kwargs.update(llm_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+                 eos_token_ids: Iterable[int] | None = None, enable_sleep_mode: bool = False, llm: Any = None,
+                 **llm_kwargs: Any):
+        if llm is None:
+            try:
+                import vllm
+            except ImportError as exc:
+                raise ImportError(_VLLM_MISSING) from exc
+            kwargs: dict[str, Any] = dict(
+                model=str(model), enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len, seed=seed, dtype=dtype, logprobs_mode="processed_logprobs",
+                enable_sleep_mode=enable_sleep_mode)
+            if enable_lora:
+                kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+            kwargs.update(llm_kwargs)
+            llm = vllm.LLM(**kwargs)
+        self.llm = llm
+        self.sleeping = False
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -488,6 +498,24 @@ class VLLMEngine:
         self._adapters[name] = (self._next_adapter_id, str(path))
         self._next_adapter_id += 1
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU for the trainer: level 1 keeps the weights in CPU memory (the base never changes)."""
+        if not self.sleeping:
+            self.llm.sleep(level=level)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # hand back what the trainer freed before vLLM claims its share
+            except ImportError:
+                pass
+            self.llm.wake_up()
+            self.sleeping = False
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling,
                  adapter: str | None = None) -> list[Completion]:
         from vllm import SamplingParams
@@ -496,6 +524,7 @@ class VLLMEngine:
         self.calls += 1
         if not prompt_token_ids:
             return []
+        self.wake_up()
         lora = None
         if adapter is not None:
             if adapter not in self._adapters:
@@ -586,6 +615,8 @@ class OpenAIEngine:
         self.max_model_len = max_model_len
         self.max_wait_s = max_wait_s
         self._secrets = [api_key] if api_key else []
+        self._adapter_names: dict[str, str] = {}
+        self._adapter_count = 0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
                                     limits=httpx.Limits(max_connections=concurrency,
@@ -595,6 +626,37 @@ class OpenAIEngine:
 
     def close(self) -> None:
         self._client.close()
+
+    def add_adapter(self, name: str, path: str | os.PathLike, version: str | int | None = None) -> str:
+        """Load a LoRA adapter folder into the server at run time (`vllm serve --enable-lora` with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) under a new versioned name, then unload the version it replaces;
+        `generate(adapter=name)` uses the newest version. Returns the served name."""
+        if not Path(path, "adapter_config.json").is_file():
+            raise FileNotFoundError(f"{path}: no adapter_config.json; save the adapter with save_pretrained")
+        self._adapter_count += 1
+        served = f"{name}@{version if version is not None else self._adapter_count}"
+        self._admin("load_lora_adapter", {"lora_name": served, "lora_path": str(Path(path).resolve())})
+        previous = self._adapter_names.get(name)
+        self._adapter_names[name] = served
+        if previous and previous != served:
+            try:
+                self._admin("unload_lora_adapter", {"lora_name": previous})
+            except EngineRequestError as exc:  # the new version is live; an old one left loaded costs a slot
+                log.warning("%s: could not unload %s: %s", self.base_url, previous, redact(str(exc), self._secrets))
+        return served
+
+    def _admin(self, route: str, body: dict[str, Any]) -> None:
+        import httpx
+
+        url = f"{self.base_url}/v1/{route}"
+        try:
+            response = self._client.post(url, json=body)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(redact(f"{url}: {type(exc).__name__}: {exc}", self._secrets)) from None
+        if response.status_code >= 400:
+            raise EngineRequestError(redact(f"{url}: HTTP {response.status_code}: {response.text[:300]} (start the "
+                                            "server with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+                                            self._secrets), status=response.status_code)
 
     def __enter__(self) -> OpenAIEngine:
         return self
@@ -655,7 +717,7 @@ class OpenAIEngine:
     def _body(self, prompt: list[int], budget: int, sampling: Sampling, adapter: str | None, index: int,
               fmt: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": adapter or self.model,
+            "model": self._adapter_names.get(adapter, adapter) if adapter else self.model,
             "max_tokens": budget,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -822,7 +884,8 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
             enable_lora=role == "policy" and params.model.finetuning == "lora", max_loras=cfg.max_loras,
             max_lora_rank=params.model.lora_rank, enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=params.model.max_model_len, seed=params.selfplay.seed, dtype=params.model.dtype)
+            max_model_len=params.model.max_model_len, seed=params.selfplay.seed, dtype=params.model.dtype,
+            enable_sleep_mode=cfg.sleep_mode)
     if backend == "openai":
         url = cfg.base_url if role == "policy" else (cfg.judge_base_url or cfg.base_url)
         key = "engine.base_url" if role == "policy" else "engine.judge_base_url (or engine.base_url)"

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from scope_lib import rewards
-from scope_lib.config import Params
+from scope_lib.config import Params, ParamsError
 from scope_lib.dialects import Dialect
 from scope_lib.engines import Engine
 from scope_lib.judge import Judge
@@ -305,17 +305,20 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     from scope_lib.training import Policy
 
     r = params.retrieval
-    if params.engine.backend != "hf" and engine is None:
-        log.warning("training generates with the HF engine over the model being trained; engine.backend=%s is "
-                    "used by the exploration and evaluation notebooks (vLLM-served training is issue #10)",
-                    params.engine.backend)
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
     retriever = retriever or open_retriever(params)
     report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
     log.info("%s", report.table())
     report.raise_if_failed()
+    if engine is None and params.engine.backend != "hf" and params.model.finetuning == "full":
+        raise ParamsError("model.finetuning: full trains separate weights per role, which a LoRA-serving engine "
+                          "cannot generate from: use engine.backend: hf, or LoRA (model.finetuning: lora)")
     policy = policy or Policy.load(params)
-    engine = engine or policy.engine
+    if engine is None:
+        # hf: generate with the model being trained. vllm / openai: a serving engine over M0 that generates for
+        # each role from its published adapter (adapter-only sync every step, importance-sampling correction)
+        engine = policy.engine if params.engine.backend == "hf" else make_engine(params, "policy",
+                                                                                 tokenizer=policy.tokenizer)
     if judge is None:
         judges: dict[str, Engine] = {}
 
@@ -379,6 +382,17 @@ def run_iteration(r: SelfPlayRun, t: int) -> dict[str, dict]:
     return summaries
 
 
+def publish_roles(r: SelfPlayRun, t: int, stage: str, roles: tuple[str, ...]) -> None:
+    """Register the roles' current weights with a serving engine (vLLM, `vllm serve`) before a stage uses them;
+    nothing to do when the engine generates with the trained model itself (hf)."""
+    from scope_lib.training import serves_adapters
+
+    if not serves_adapters(r.engine):
+        return
+    for role in roles:
+        r.policy.publish(role, r.stage(t, stage).path / "serving" / role, r.engine)
+
+
 def documents_start(r: SelfPlayRun, t: int) -> int:
     """Where iteration t's documents begin in the run's permutation: after everything earlier iterations used."""
     if t == 1:
@@ -414,6 +428,7 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
         stage.mark_done(summary)
         return summary
     stage.reset()
+    publish_roles(r, t, "challenger", ("solver",))  # S_{t-1} estimates the difficulty (the Challenger syncs itself)
     seed = stage_seed(r.params, t, "challenger")
     documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed)
     prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed,
@@ -446,6 +461,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
     candidates.retain(lambda rec: rec["chunk"] in finished)  # drop a batch a kill left half-written
     tasks.retain(lambda rec: rec["chunk"] in finished)
     first = r.stage(t, "challenger").summary["documents"][1]  # right after Stage 1's documents
+    publish_roles(r, t, "pool", ("challenger", "solver"))    # C_t writes, S_{t-1} estimates the difficulty
     seed, size = stage_seed(p, t, "pool"), sp.candidate_batch_size
     k = len(finished)
     available = max(0, (len(r.passages) - first) // size)  # whole batches of unused documents

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -243,11 +244,54 @@ class Policy:
             self.models[role].load_state_dict(loaded.state_dict())
         log.info("loaded %s from %s", role, folder)
 
+    def publish(self, role: str, folder: str | os.PathLike, engine, version: int | None = None) -> Path:
+        """Save the role and register it with a serving engine (vLLM in this process, or a `vllm serve` through
+        the OpenAI engine), which then generates for it under the role's name."""
+        path = self.save(role, folder)
+        if isinstance(engine, _http_engine_type()):
+            engine.add_adapter(role, path, version=version)
+        else:
+            engine.add_adapter(role, path)
+        return path
+
     def state(self, role: str) -> dict[str, torch.Tensor]:
         """A copy of the role's trainable weights (tests compare them before and after a step)."""
         if self.finetuning == "lora":
             return {n: p.detach().clone() for n, p in self.model.named_parameters() if f".{role}." in n}
         return {n: p.detach().clone() for n, p in self.models[role].named_parameters()}
+
+
+def serves_adapters(engine) -> bool:
+    """True for an engine that generates from saved adapter folders (vLLM, a served model), not from the model
+    being trained: its rollouts need the adapter published every step and an importance-sampling correction."""
+    return callable(getattr(engine, "add_adapter", None))
+
+
+def _http_engine_type():
+    from scope_lib.engines import OpenAIEngine
+
+    return OpenAIEngine
+
+
+class AdapterSync:
+    """Stands where TRL keeps its own vLLM engine (`trainer.vllm_generation`). TRL calls `sync_weights()` once per
+    optimiser step, before the rollouts: the trained adapter is saved and registered with the serving engine as
+    a new version (adapter-only sync: the base on the engine never changes), and a sleeping engine wakes.
+    With `trainer.use_vllm` set, TRL also applies its importance-sampling correction to the engine's logprobs."""
+
+    def __init__(self, policy: Policy, role: str, engine, folder: str | os.PathLike, keep: int = 2):
+        self.policy, self.role, self.engine, self.folder, self.keep = policy, role, engine, Path(folder), keep
+        self.trainer = None
+        self.versions: list[int] = []
+
+    def sync_weights(self) -> None:
+        version = self.trainer.state.global_step if self.trainer is not None else len(self.versions)
+        if hasattr(self.engine, "wake_up"):
+            self.engine.wake_up()
+        self.policy.publish(self.role, self.folder / f"v{version:04d}", self.engine, version=version)
+        self.versions.append(version)
+        for old in self.versions[:-self.keep]:
+            shutil.rmtree(self.folder / f"v{old:04d}", ignore_errors=True)
 
 
 def _check_role(role: str) -> None:
@@ -291,7 +335,9 @@ def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.Path
         max_completion_length=r.max_response_tokens, mask_truncated_completions=False,
         gradient_checkpointing=g.gradient_checkpointing, disable_dropout=True,
         bf16=on_gpu and params.model.dtype == "bfloat16", use_cpu=not on_gpu,
-        shuffle_dataset=True, remove_unused_columns=False)
+        shuffle_dataset=True, remove_unused_columns=False,
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=g.importance_sampling,
+        vllm_importance_sampling_clip_max=g.importance_sampling_clip)
 
 
 # -- the trainer ---------------------------------------------------------------------------------------
@@ -324,13 +370,13 @@ def _trainer_class():
                 out = super()._generate_and_score_completions(inputs)
             finally:
                 self.beta = beta
-            rows = [(ctx, ids, mask, advantage)
+            rows = [(datum[0], datum[1], datum[2], advantage, datum[3] if len(datum) > 3 else None)
                     for inp, advantage in zip(inputs, out["advantages"].tolist(), strict=True)
-                    for ctx, ids, mask in inp["turn_datums"]]
+                    for datum in inp["turn_datums"]]
             per_step = self.args.steps_per_generation if self.model.training else 1
             pad_id, end_id = self._tokenizer.pad_token_id, self.eos_token_ids[0]
             while not rows or len(rows) % per_step:  # TRL's split drops a remainder: pad with loss-free rows
-                rows.append(([pad_id], [end_id], [0], 0.0))
+                rows.append(([pad_id], [end_id], [0], 0.0, None))
             device = self.accelerator.device
 
             def stack(values, fill, side, dtype=torch.long):
@@ -350,12 +396,28 @@ def _trainer_class():
             attention = torch.cat([prompt_mask, completion_mask], dim=1)
             keep = completion_ids.size(1)
             size = self.args.per_device_train_batch_size
+            corrected = self.use_vllm and self.vllm_importance_sampling_correction
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                if "old_per_token_logps" in out:
+                if "old_per_token_logps" in out or corrected:
                     new["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
                         self.model, ids, attention, keep, batch_size=size)[0]
                 if self.beta != 0.0:
                     new["ref_per_token_logps"] = self._reference_logps(ids, attention, keep, size, use_adapter)
+            if corrected:  # the turns were sampled by the serving engine: TRL's ratio, per turn row
+                sampled = stack([r[4] if r[4] is not None else [0.0] * len(r[1]) for r in rows], 0.0, "right",
+                                dtype=torch.float32)
+                loss_mask = (completion_mask * tool_mask).bool()
+                gap = new["old_per_token_logps"] - sampled
+                ratio = importance_ratio(gap, loss_mask.float(), self.vllm_importance_sampling_mode,
+                                         self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+                new["importance_sampling_ratio"] = ratio
+                # TRL logged these over the stub rows: replace them with the turn rows' values
+                metrics = self._metrics["train" if self.model.training else "eval"]
+                for key, value in (("sampling/sampling_logp_difference/mean", gap.abs()[loss_mask].mean()),
+                                   ("sampling/importance_sampling_ratio/mean",
+                                    ratio[loss_mask].mean() if ratio.shape == loss_mask.shape else ratio.mean())):
+                    if metrics.get(key):
+                        metrics[key][-1] = float(torch.nan_to_num(value, nan=0.0))
             return new
 
         def _reference_logps(self, ids, attention, keep, size, use_adapter):
@@ -369,8 +431,22 @@ def _trainer_class():
     return ScopeGRPOTrainer
 
 
+def importance_ratio(logp_diff: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None,
+                     clip_max: float | None) -> torch.Tensor:
+    """exp(log pi_train - log pi_sampler), per token or per sequence, truncated or masked (TRL's four modes)."""
+    diff = torch.nan_to_num(logp_diff * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=None if clip_min is None else clip_min, max=None if clip_max is None else clip_max)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def make_trainer(policy: Policy, role: str, args, *, dataset_ids: list[str], rollout_func, reward_func,
-                 callbacks=(), per_turn: bool = False):
+                 callbacks=(), per_turn: bool = False, serving=None, sync_folder: str | os.PathLike | None = None):
     """A fresh trainer for `role`. The model's forward is restored first (each GRPOTrainer patches it with a
     fused LM head at its own temperature), so exactly one patch, this role's, is active."""
     from datasets import Dataset
@@ -389,6 +465,11 @@ def make_trainer(policy: Policy, role: str, args, *, dataset_ids: list[str], rol
         trainer.remove_callback(noisy)
     trainer.beta = policy.params.grpo.beta
     trainer.per_turn = per_turn
+    trainer.use_vllm = False  # TRL's own vLLM engine is never built (it would hold merged weights: no Judge)
+    if serving is not None and serves_adapters(serving):
+        sync = AdapterSync(policy, role, serving, sync_folder or Path(args.output_dir) / "published")
+        sync.trainer = trainer
+        trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, sync, -1
     if policy.reference is not None:
         from trl.trainer.utils import add_fused_lm_head
 
@@ -407,12 +488,15 @@ def never_ran(traj: Trajectory) -> bool:
     return not traj.turns and traj.finish in ("prompt_too_long", "budget")
 
 
-def trajectory_rows(trajectories: list[Trajectory], tokenizer, *, per_turn: bool) -> dict[str, list]:
+def trajectory_rows(trajectories: list[Trajectory], tokenizer, *, per_turn: bool,
+                    logprobs: bool = False) -> dict[str, list]:
     """rollout_func's output: one row per trajectory, in order. The turn-end token closes every completion
-    under mask 0 (TRL counts a row without it as truncated). Per-turn mode: stub rows plus `turn_datums`."""
+    under mask 0 (TRL counts a row without it as truncated). Per-turn mode: stub rows plus `turn_datums`.
+    `logprobs`: the sampler's log-probabilities too (for the importance-sampling correction)."""
     end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
-    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "env_mask": [], "trajectory": []}
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "env_mask": [], "trajectory": [],
+                            "logprobs": []}
     if per_turn:
         out["turn_datums"] = []
     for traj in trajectories:
@@ -421,14 +505,17 @@ def trajectory_rows(trajectories: list[Trajectory], tokenizer, *, per_turn: bool
             out["prompt_ids"].append([pad])
             out["completion_ids"].append([end])
             out["env_mask"].append([0])
+            out["logprobs"].append([0.0])
         else:
             out["prompt_ids"].append(list(traj.prompt_ids))
             out["completion_ids"].append(list(traj.completion_ids) + [end])
             out["env_mask"].append(list(traj.env_mask) + [0])
+            out["logprobs"].append(list(traj.logprobs) + [0.0])
         if per_turn:
-            out["turn_datums"].append([(d.prompt_ids, d.completion_ids + [end], [1] * len(d.completion_ids) + [0])
-                                       for d in per_turn_datums(traj)])
-    out["logprobs"] = None  # used by TRL only for vLLM importance sampling (the GPU engine, issue #10)
+            out["turn_datums"].append([(d.prompt_ids, d.completion_ids + [end], [1] * len(d.completion_ids) + [0],
+                                        d.logprobs + [0.0]) for d in per_turn_datums(traj)])
+    if not logprobs:  # TRL reads them only for its importance-sampling correction
+        out["logprobs"] = None
     return out
 
 
@@ -501,7 +588,8 @@ class RoleSession:
                              adapter=ctx.role)
         self.pending[step] = {"rollout_s": time.perf_counter() - started, **_rollout_times(stats),
                               **trajectory_metrics(trajectories)}
-        return trajectory_rows(trajectories, ctx.policy.tokenizer, per_turn=self.per_turn)
+        return trajectory_rows(trajectories, ctx.policy.tokenizer, per_turn=self.per_turn,
+                               logprobs=serves_adapters(ctx.rollout_engine))
 
     def scope_reward(self, prompts, completions, completion_ids, trajectory, trainer_state=None, **_):
         """R_C (eq. 4) or R_S (eq. 6) of every row, computed from the trajectory records; None for rows that
@@ -515,6 +603,9 @@ class RoleSession:
         else:
             values, metrics = self._solver_rewards(trajectories, step)
         judge_after = self.ctx.judge.stats.totals()
+        engine = self.ctx.rollout_engine
+        if self.ctx.params.engine.sleep_mode and callable(getattr(engine, "sleep", None)):
+            engine.sleep()  # the trainer steps next: give it the GPU (woken by the next sync)
         asked = judge_after["prompts"] - judge_before["prompts"]
         self.pending.setdefault(step, {}).update(
             metrics, reward_s=time.perf_counter() - started, judge_s=judge_after["seconds"] - judge_before["seconds"],
@@ -621,6 +712,8 @@ class RoleSession:
             "clip_fraction": trl_logs.get("clip_ratio/region_mean"), "loss": trl_logs.get("loss"),
             "grad_norm": trl_logs.get("grad_norm"), "learning_rate": trl_logs.get("learning_rate"),
             "zero_spread_share": trl_logs.get("frac_reward_zero_std"),
+            "importance_ratio": trl_logs.get("sampling/importance_sampling_ratio/mean"),
+            "sampler_logp_gap": trl_logs.get("sampling/sampling_logp_difference/mean"),
             "tokens_per_s": ours.get("generated_tokens", 0) / generated if generated else None,
             "time_step_s": step_s, "time_generation_s": generated, "time_retrieval_s": ours.get("retrieval_s", 0.0),
             "time_judge_s": ours.get("judge_s", 0.0), "time_solver_rollouts_s": ours.get("solver_rollout_s", 0.0),
@@ -707,10 +800,12 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
     args = grpo_args(ctx.params, ctx.role, seed=ctx.seed, output_dir=ctx.stage.path / "trainer")
     trainer = make_trainer(ctx.policy, ctx.role, args, dataset_ids=ids, rollout_func=session.rollout_func,
                            reward_func=session.scope_reward, callbacks=[_metrics_callback(session)],
-                           per_turn=session.per_turn)
+                           per_turn=session.per_turn, serving=ctx.rollout_engine,
+                           sync_folder=ctx.stage.path / "published")
     trainer.train()
     saved = ctx.policy.save(ctx.role, ctx.stage.path)
-    shutil.rmtree(ctx.stage.path / "trainer", ignore_errors=True)
+    for scratch in ("trainer", "published"):
+        shutil.rmtree(ctx.stage.path / scratch, ignore_errors=True)
     metrics = list(session.metrics)
     return StageResult(steps=trainer.state.global_step, seconds=time.perf_counter() - started, metrics=metrics,
                        saved=saved)

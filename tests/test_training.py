@@ -60,7 +60,8 @@ def build_trainer(ctx, items, role="challenger"):
     args = grpo_args(ctx.params, role, seed=ctx.seed, output_dir=ctx.stage.path / "trainer")
     trainer = make_trainer(ctx.policy, role, args, dataset_ids=list(items), rollout_func=session.rollout_func,
                            reward_func=session.scope_reward, callbacks=[_metrics_callback(session)],
-                           per_turn=session.per_turn)
+                           per_turn=session.per_turn, serving=ctx.rollout_engine,
+                           sync_folder=ctx.stage.path / "published")
     return session, trainer
 
 
