@@ -51,9 +51,8 @@ def rollout_speed(model_dir: Path, n: int, max_new_tokens: int, turns: int) -> l
     return rows
 
 
-def step_cost(model_dir: Path, mode: str, context: int, corpus: Path) -> dict:
+def step_cost(model_dir: Path, mode: str, context: int) -> dict:
     """One GRPO step on rows of `context` tokens (half prompt, half completion) with LoRA or full weights."""
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from scope_lib.config import load_params
@@ -83,7 +82,6 @@ def step_cost(model_dir: Path, mode: str, context: int, corpus: Path) -> dict:
         args = grpo_args(params, "solver", seed=0, output_dir=tmp, steps=1)
         trainer = make_trainer(policy, "solver", args, dataset_ids=["q0", "q1"], rollout_func=rollout,
                                reward_func=reward)
-        trainer.train_dataset = Dataset.from_dict({"prompt": ["q0", "q1"]})
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         trainer.train()
@@ -115,7 +113,7 @@ def main() -> None:
     for mode in ("lora", "full"):
         for context in args.contexts:
             try:
-                row = step_cost(model_dir, mode, context, Path(args.corpus))
+                row = step_cost(model_dir, mode, context)
                 print(f"| {mode} | {context} | {row['step_s']:.1f} | {row['peak_gib']:.1f} | {row['plan_gib']:.1f} |")
             except torch.cuda.OutOfMemoryError:
                 print(f"| {mode} | {context} | out of memory | – | – |")
