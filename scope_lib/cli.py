@@ -25,7 +25,11 @@ DEFAULT_PARAMS = "params/smoke.yaml"
 
 
 def _params(args):
-    return load_params(args.params, args.override)
+    from scope_lib.engines import apply_torch_threads
+
+    params = load_params(args.params, args.override)
+    apply_torch_threads(params)
+    return params
 
 
 def cmd_run(args) -> int:

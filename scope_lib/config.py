@@ -156,6 +156,10 @@ class RetrievalConfig(Section):
     embedder_model: str = Field("intfloat/e5-base-v2", description="Hub id or local path for 'e5'.")
     embedder_device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
     embed_batch_size: int = Field(256, ge=1, description="Passages per embedding batch.")
+    embedding_cache: bool = Field(
+        False, description="Keep every text's vector on disk (under the cache folder) and never embed it twice, "
+        "across indexes, notebooks and processes. For small corpora (the smoke run); wiki-18's faiss build keeps "
+        "its own embedding shards.")
     add_batch_size: int = Field(4096, ge=1, description="Passages per chromadb add call.")
     hnsw_ef_search: int = Field(128, ge=1, description="HNSW search breadth, chroma and faiss (recall vs speed).")
     hnsw_ef_construction: int = Field(200, ge=1, description="HNSW build breadth, chroma and faiss.")
@@ -329,6 +333,9 @@ class EngineConfig(Section):
     backend: Backend = Field("vllm", description="Policy rollouts: 'hf' (CPU/GPU), 'vllm' (GPU), 'openai'.")
     judge_backend: Backend | None = Field(None, description="Judge engine; None = same as `backend`.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (hf backend).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads torch may use (torch.set_num_threads); None = torch's default. 1 for "
+        "tiny models: a 64-wide matmul gains nothing from threads and a busy second core makes them spin.")
     max_batch_size: int | None = Field(
         None, ge=1, description="hf backend: rows per model.generate call (a turn's batch is split into chunks of "
         "this size, longest prompts first); None = the whole batch at once. Bounds the KV cache on a GPU.")

@@ -824,6 +824,14 @@ class OpenAIEngine:
 
 # -- factory ---------------------------------------------------------------------------------------
 
+
+def apply_torch_threads(params: Params) -> None:
+    """`engine.torch_threads`: how many CPU threads torch uses in this process (notebooks, `scope` commands)."""
+    if params.engine.torch_threads:
+        import torch
+
+        torch.set_num_threads(params.engine.torch_threads)
+
 Role = Literal["policy", "judge"]
 
 

@@ -33,6 +33,9 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     _report_figures()
     loaded = load_params(params, overrides or [])
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
+    from scope_lib.engines import apply_torch_threads
+
+    apply_torch_threads(loaded)
     return loaded
 
 

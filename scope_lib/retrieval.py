@@ -190,6 +190,7 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
         self.model_name = str(model)
         self.device = device
         self._model: Any = None
+        self.cache: EmbeddingCache | None = None  # `retrieval.embedding_cache`
 
     @property
     def model_id(self) -> str:  # type: ignore[override]
@@ -218,9 +219,18 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
         prefix = self.query_prefix if query else self.document_prefix
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        vectors = self.model.encode([prefix + t for t in texts], batch_size=self.batch_size,
-                                    normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
-        return _normalise(vectors)
+        inputs = [prefix + t for t in texts]
+        cache = self.cache
+        known = cache.get(inputs) if cache is not None else {}
+        todo = [t for t in dict.fromkeys(inputs) if t not in known]
+        if todo:
+            vectors = _normalise(self.model.encode(todo, batch_size=self.batch_size, normalize_embeddings=True,
+                                                   convert_to_numpy=True, show_progress_bar=False))
+            fresh = dict(zip(todo, vectors, strict=True))
+            if cache is not None:
+                cache.put(fresh)
+            known = {**known, **fresh}
+        return np.stack([known[t] for t in inputs]).astype(np.float32)
 
     def get_config(self) -> dict[str, Any]:
         return {"model": self.model_name, "device": self.device, "batch_size": self.batch_size}
@@ -370,15 +380,62 @@ class HashingEmbedder(ScopeEmbedder):
         return HashingEmbedder(config.get("dim", 384), config.get("batch_size", 256))
 
 
+class EmbeddingCache:
+    """Vectors of texts already embedded by one model, on disk (sqlite, keyed by a hash of the exact input
+    text, prefix included), shared by every process: a small corpus is embedded once for the chroma index,
+    the faiss index, the notebooks and the tests. Off by default (`retrieval.embedding_cache`): at wiki-18
+    scale the faiss build keeps its own embedding shards."""
+
+    def __init__(self, model_id: str, root: str | os.PathLike | None = None):
+        import re
+        import sqlite3
+
+        from scope_lib.tiny import cache_root
+
+        folder = Path(root) if root is not None else cache_root().parent / "embeddings"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / (re.sub(r"[^A-Za-z0-9._-]+", "_", model_id) + ".sqlite")
+        self._db = sqlite3.connect(str(self.path), timeout=60, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, vector BLOB)")
+
+    @staticmethod
+    def _key(text: str) -> str:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def get(self, texts: list[str]) -> dict[str, np.ndarray]:
+        keys = {self._key(t): t for t in texts}
+        found: dict[str, np.ndarray] = {}
+        items = list(keys)
+        for start in range(0, len(items), 900):  # sqlite's limit on bound parameters
+            chunk = items[start:start + 900]
+            rows = self._db.execute(f"SELECT key, vector FROM vectors WHERE key IN ({','.join('?' * len(chunk))})",
+                                    chunk).fetchall()
+            for key, blob in rows:
+                found[keys[key]] = np.frombuffer(blob, dtype=np.float32)
+        return found
+
+    def put(self, vectors: dict[str, np.ndarray]) -> None:
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)",
+                                 [(self._key(t), np.asarray(v, dtype=np.float32).tobytes()) for t, v in vectors.items()])
+
+
 def make_embedder(cfg: RetrievalConfig) -> ScopeEmbedder:
     """The embedder `retrieval.embedder` names: e5 (paper), minilm-offline (demos, tests), hashing (unit tests)."""
     if cfg.embedder == "e5":
-        return E5Embedder(cfg.embedder_model, cfg.embedder_device, cfg.embed_batch_size)
+        return _with_cache(E5Embedder(cfg.embedder_model, cfg.embedder_device, cfg.embed_batch_size), cfg)
     if cfg.embedder == "minilm-offline":
-        return MiniLMOfflineEmbedder(cfg.embedder_device, cfg.embed_batch_size)
+        return _with_cache(MiniLMOfflineEmbedder(cfg.embedder_device, cfg.embed_batch_size), cfg)
     if cfg.embedder == "hashing":
         return HashingEmbedder(batch_size=cfg.embed_batch_size)
     raise ValueError(f"retrieval.embedder: unknown embedder {cfg.embedder!r}; use e5, minilm-offline or hashing")
+
+
+def _with_cache(embedder: _SentenceTransformerEmbedder, cfg: RetrievalConfig) -> _SentenceTransformerEmbedder:
+    if cfg.embedding_cache:
+        embedder.cache = EmbeddingCache(embedder.model_id)
+    return embedder
 
 
 # -- chroma --------------------------------------------------------------------------------------------

