@@ -197,9 +197,9 @@ class _FakeLLM:
         self.events.append("wake")
 
 
-def test_vllm_engine_sleeps_and_wakes_once(tiny_tokenizer, tmp_path):
+def test_vllm_engine_sleeps_and_wakes_once(tiny_tokenizer, tiny_model_dir, tmp_path):
     llm = _FakeLLM()
-    engine = VLLMEngine("tiny", tokenizer=tiny_tokenizer, llm=llm)
+    engine = VLLMEngine(tiny_model_dir, tokenizer=tiny_tokenizer, llm=llm)
     assert engine.max_model_len == 4096 and not engine.sleeping
     engine.sleep()
     engine.sleep()
