@@ -209,6 +209,58 @@ def retry_after_s(value: str | None, now: float | None = None) -> float | None:
     return max(0.0, seconds)
 
 
+def backoff_s(attempt: int, base_s: float, max_wait_s: float, response=None) -> float:
+    """Wait before retry `attempt` (0 = the first retry): exponential from `base_s`, four times longer after
+    HTTP 429 (a rate limit clears slower than a restart), never shorter than the server's Retry-After, at most
+    `max_wait_s`."""
+    factor = 4.0 if response is not None and response.status_code == 429 else 1.0
+    delay = base_s * factor * 2 ** attempt
+    hinted = retry_after_s(response.headers.get("retry-after")) if response is not None else None
+    return min(max(delay, hinted or 0.0), max_wait_s)
+
+
+class RetriesExhausted(RuntimeError):
+    """Every attempt failed with a retryable error; `last` says what the last one was (credentials redacted)."""
+
+    def __init__(self, last: str):
+        super().__init__(last)
+        self.last = last
+
+
+def post_with_retries(client, url: str, body: dict[str, Any], *, max_retries: int, base_s: float,
+                      max_wait_s: float, secrets: Iterable[str] = (), abort: threading.Event | None = None,
+                      aborted: type[Exception] = RuntimeError):
+    """POST `body` as JSON until the server gives an answer that retrying cannot change: returns (status,
+    JSON payload or None, text) for a 2xx with a JSON body or any 4xx but 429. Connection errors, timeouts,
+    429, 5xx and 2xx bodies that are not JSON are retried with `backoff_s`; then RetriesExhausted. `abort` (set
+    when another request of the batch failed) stops early with `aborted`."""
+    import httpx
+
+    last, delay = "", 0.0
+    for attempt in range(max_retries + 1):
+        if abort is not None and abort.is_set():
+            raise aborted(f"{url}: batch aborted after another request failed")
+        if attempt:
+            time.sleep(delay)
+        try:
+            response = client.post(url, json=body)
+        except httpx.TransportError as exc:
+            last, delay = f"{type(exc).__name__}: {exc}", backoff_s(attempt, base_s, max_wait_s)
+            continue
+        status = response.status_code
+        if status == 429 or status >= 500:
+            last, delay = f"HTTP {status}: {response.text[:300]}", backoff_s(attempt, base_s, max_wait_s, response)
+            log.info("%s: %s; retrying in %.1f s", url, redact(last[:120], secrets), delay)
+            continue
+        if status >= 400:
+            return status, None, response.text
+        try:
+            return status, response.json(), response.text
+        except ValueError:
+            last, delay = f"reply is not JSON: {response.text[:200]!r}", backoff_s(attempt, base_s, max_wait_s)
+    raise RetriesExhausted(redact(last, secrets))
+
+
 # -- HF transformers -------------------------------------------------------------------------------
 
 
@@ -746,49 +798,21 @@ class OpenAIEngine:
                                             self._secrets)) from None
         return self._completion(choice, sampling, fmt)
 
-    def _wait_s(self, attempt: int, response=None) -> float:
-        """Backoff before retry `attempt` (0 = the first retry): exponential from `backoff_s`, four times
-        longer after HTTP 429 (a rate limit clears slower than a restart), and never shorter than the
-        server's Retry-After (capped at `max_wait_s`)."""
-        factor = 4.0 if response is not None and response.status_code == 429 else 1.0
-        delay = self.backoff_s * factor * 2 ** attempt
-        hinted = retry_after_s(response.headers.get("retry-after")) if response is not None else None
-        if hinted is not None:
-            delay = max(delay, hinted)
-        return min(delay, self.max_wait_s)
-
     def _post(self, body: dict[str, Any], abort: threading.Event | None) -> dict[str, Any]:
-        import httpx
-
-        last, delay = "", 0.0
-        for attempt in range(self.max_retries + 1):
-            if abort is not None and abort.is_set():
-                raise EngineUnavailable(f"{self.url}: batch aborted after another request failed")
-            if attempt:
-                time.sleep(delay)
-            try:
-                response = self._client.post(self.url, json=body)
-            except httpx.TransportError as exc:
-                last, delay = f"{type(exc).__name__}: {exc}", self._wait_s(attempt)
-                continue
-            if response.status_code == 429 or response.status_code >= 500:
-                last = f"HTTP {response.status_code}: {response.text[:300]}"
-                delay = self._wait_s(attempt, response)
-                log.info("%s: %s; retrying in %.1f s", self.url, redact(last[:120], self._secrets), delay)
-                continue
-            if response.status_code >= 400:
-                raise EngineRequestError(redact(f"{self.url}: HTTP {response.status_code} for model "
-                                                f"{body['model']!r}: {response.text[:500]}", self._secrets),
-                                         status=response.status_code)
-            try:
-                return response.json()
-            except ValueError:
-                last, delay = f"reply is not JSON: {response.text[:200]!r}", self._wait_s(attempt)
-        raise EngineUnavailable(redact(
-            f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {last}. Check that "
-            f"the server is running and reachable at {self.base_url} (e.g. `curl {self.base_url}/v1/models`), "
-            f"that it serves model {body['model']!r}, and engine.base_url / engine.judge_base_url in the params.",
-            self._secrets))
+        try:
+            status, payload, text = post_with_retries(
+                self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
+                max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, aborted=EngineUnavailable)
+        except RetriesExhausted as exc:
+            raise EngineUnavailable(redact(
+                f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {exc.last}. "
+                f"Check that the server is running and reachable at {self.base_url} (e.g. `curl "
+                f"{self.base_url}/v1/models`), that it serves model {body['model']!r}, and engine.base_url / "
+                "engine.judge_base_url in the params.", self._secrets)) from None
+        if payload is None:
+            raise EngineRequestError(redact(f"{self.url}: HTTP {status} for model {body['model']!r}: {text[:500]}",
+                                            self._secrets), status=status)
+        return payload
 
     def _completion(self, choice: dict[str, Any], sampling: Sampling, fmt: str) -> Completion:
         text = choice.get("text") or ""

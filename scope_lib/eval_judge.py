@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from scope_lib.engines import Engine, Sampling, redact, retry_after_s
+from scope_lib.engines import Engine, RetriesExhausted, Sampling, post_with_retries, redact
 
 log = logging.getLogger(__name__)
 
@@ -235,48 +235,27 @@ class ChatCompletionsBackend:
                         f.cancel()
                     raise
 
-    def _wait_s(self, attempt: int, response=None) -> float:
-        factor = 4.0 if response is not None and response.status_code == 429 else 1.0
-        delay = self.backoff_s * factor * 2 ** attempt
-        hinted = retry_after_s(response.headers.get("retry-after")) if response is not None else None
-        return min(max(delay, hinted or 0.0), self.max_wait_s)
-
     def _one(self, request: JudgeRequest, abort: threading.Event) -> JudgeReply:
-        import httpx
-
         body = self.body(request)
-        last, delay = "", 0.0
-        for attempt in range(self.max_retries + 1):
-            if abort.is_set():
-                raise JudgeUnavailable(f"{self.url}: batch aborted after another request failed")
-            if attempt:
-                time.sleep(delay)
-            try:
-                response = self._client.post(self.url, json=body)
-            except httpx.TransportError as exc:
-                last, delay = f"{type(exc).__name__}: {exc}", self._wait_s(attempt)
-                continue
-            status = response.status_code
-            if status == 429 or status >= 500:
-                last, delay = f"HTTP {status}: {response.text[:300]}", self._wait_s(attempt, response)
-                log.info("%s: %s; retrying in %.1f s", self.url, redact(last[:120], self._secrets), delay)
-                continue
-            if status in (401, 403, 404):
-                raise JudgeUnavailable(redact(
-                    f"{self.url}: HTTP {status} for judge model {body['model']!r}: {response.text[:300]}. Check the "
-                    f"key in ${self.api_key_env} and that the endpoint serves this model.", self._secrets))
-            if status >= 400:
-                message = redact(f"HTTP {status}: {response.text[:300]}", self._secrets)
-                log.warning("%s rejected one judge request: %s", self.url, message)
-                return JudgeReply(text="", key=request.key, error=message)
-            try:
-                return self._reply(request, response.json())
-            except ValueError:
-                last, delay = f"reply is not JSON: {response.text[:200]!r}", self._wait_s(attempt)
-        raise JudgeUnavailable(redact(
-            f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {last}. Check that the "
-            f"judge is running and reachable at {self.base_url} (evaluation.judge_base_url) and serves model "
-            f"{body['model']!r}. Replies received so far are cached; re-running resumes.", self._secrets))
+        try:
+            status, payload, text = post_with_retries(
+                self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
+                max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, aborted=JudgeUnavailable)
+        except RetriesExhausted as exc:
+            raise JudgeUnavailable(redact(
+                f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {exc.last}. Check "
+                f"that the judge is running and reachable at {self.base_url} (evaluation.judge_base_url) and serves "
+                f"model {body['model']!r}. Replies received so far are cached; re-running resumes.",
+                self._secrets)) from None
+        if status in (401, 403, 404):
+            raise JudgeUnavailable(redact(
+                f"{self.url}: HTTP {status} for judge model {body['model']!r}: {text[:300]}. Check the key in "
+                f"${self.api_key_env} and that the endpoint serves this model.", self._secrets))
+        if payload is None:
+            message = redact(f"HTTP {status}: {text[:300]}", self._secrets)
+            log.warning("%s rejected one judge request: %s", self.url, message)
+            return JudgeReply(text="", key=request.key, error=message)
+        return self._reply(request, payload)
 
     @staticmethod
     def _reply(request: JudgeRequest, payload: dict[str, Any]) -> JudgeReply:

@@ -622,13 +622,13 @@ def test_retry_after_is_honoured_and_429_backs_off_longer(tokenizer):
     assert retry_after_s("2") == 2.0 and retry_after_s("-3") == 0.0
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
     assert retry_after_s("soon") is None and retry_after_s(None) is None and retry_after_s("nan") is None
-    engine = OpenAIEngine("http://127.0.0.1:9", "m", tokenizer, backoff_s=0.1, max_wait_s=5)
-    assert engine._wait_s(0, httpx.Response(503)) == pytest.approx(0.1)
-    assert engine._wait_s(0, httpx.Response(429)) == pytest.approx(0.4)      # a rate limit waits longer
-    assert engine._wait_s(1, httpx.Response(429)) == pytest.approx(0.8)
-    assert engine._wait_s(0, httpx.Response(503, headers={"Retry-After": "3"})) == pytest.approx(3.0)
-    assert engine._wait_s(0, httpx.Response(429, headers={"Retry-After": "999"})) == pytest.approx(5.0)  # capped
-    engine.close()
+    from scope_lib.engines import backoff_s
+
+    assert backoff_s(0, 0.1, 5, httpx.Response(503)) == pytest.approx(0.1)
+    assert backoff_s(0, 0.1, 5, httpx.Response(429)) == pytest.approx(0.4)     # a rate limit waits longer
+    assert backoff_s(1, 0.1, 5, httpx.Response(429)) == pytest.approx(0.8)
+    assert backoff_s(0, 0.1, 5, httpx.Response(503, headers={"Retry-After": "3"})) == pytest.approx(3.0)
+    assert backoff_s(0, 0.1, 5, httpx.Response(429, headers={"Retry-After": "999"})) == pytest.approx(5.0)  # capped
     with strict_server(tokenizer, "ratelimit", retry_after=0.5) as (url, state):
         engine = OpenAIEngine(url, "m", tokenizer, prompt_format="tokens", backoff_s=0.01, max_retries=2)
         out = engine.generate([[1] * 5], Sampling(max_new_tokens=1))
