@@ -193,6 +193,23 @@ def _encode_shard(passages: list[Passage]) -> tuple[bytes, np.ndarray]:
     return b"".join(lines), offsets
 
 
+def _open_build(directory: Path, wanted: dict[str, Any], fresh: dict[str, Any]) -> tuple[dict[str, Any], StageStats]:
+    """The manifest of a resumable shard build under `directory`: a new one (with the `fresh` fields) when
+    none exists; the existing one when its fingerprint equals `wanted` (status "complete": reuse it; else
+    resume); StoreMismatchError when it differs."""
+    manifest = read_json(directory / "manifest.json")
+    if manifest is None:
+        manifest = {"fingerprint": wanted, **fresh, "shards": [], "status": "building"}
+        write_json_atomic(directory / "manifest.json", manifest)
+        return manifest, StageStats(action="built")
+    diffs = differences(manifest["fingerprint"], wanted)
+    if diffs:
+        raise StoreMismatchError(directory, diffs, manifest.get("status") != "complete")
+    if manifest["status"] == "complete":
+        return manifest, StageStats(n_skipped=sum(manifest["shards"]))
+    return manifest, StageStats(action="resumed")
+
+
 def build_passage_store(passages: Iterable[Passage], directory: str | os.PathLike, fingerprint: dict[str, Any],
                         shard_passages: int, *, progress: bool = True, total: int | None = None
                         ) -> tuple[PassageStore, StageStats]:
@@ -201,19 +218,10 @@ def build_passage_store(passages: Iterable[Passage], directory: str | os.PathLik
     directory = Path(directory)
     manifest_path = directory / "manifest.json"
     wanted = {**fingerprint, "scope_store_format": STORE_FORMAT_VERSION, "scope_shard_passages": shard_passages}
-    manifest = read_json(manifest_path)
     started = time.perf_counter()
-    stats = StageStats(action="built")
-    if manifest is not None:
-        diffs = differences(manifest["fingerprint"], wanted)
-        if diffs:
-            raise StoreMismatchError(directory, diffs, manifest.get("status") != "complete")
-        if manifest["status"] == "complete":
-            return PassageStore(directory), StageStats(n_skipped=sum(manifest["shards"]))
-        stats.action = "resumed"
-    else:
-        manifest = {"fingerprint": wanted, "shard_passages": shard_passages, "shards": [], "status": "building"}
-        write_json_atomic(manifest_path, manifest)
+    manifest, stats = _open_build(directory, wanted, {"shard_passages": shard_passages})
+    if manifest["status"] == "complete":
+        return PassageStore(directory), stats
     done = list(manifest["shards"])
     skip = sum(done)
     if skip:
@@ -350,20 +358,10 @@ def build_embeddings(passages: PassageStore, embedder: ScopeEmbedder, directory:
     directory = Path(directory)
     manifest_path = directory / "manifest.json"
     wanted = embeddings_fingerprint(embedder, passages)
-    manifest = read_json(manifest_path)
     started = time.perf_counter()
-    stats = StageStats(action="built")
-    if manifest is not None:
-        diffs = differences(manifest["fingerprint"], wanted)
-        if diffs:
-            raise StoreMismatchError(directory, diffs, manifest.get("status") != "complete")
-        if manifest["status"] == "complete":
-            return EmbeddingStore(directory), StageStats(n_skipped=sum(manifest["shards"]))
-        stats.action = "resumed"
-    else:
-        manifest = {"fingerprint": wanted, "shard_passages": passages.shard_size, "shards": [],
-                    "dimension": None, "status": "building"}
-        write_json_atomic(manifest_path, manifest)
+    manifest, stats = _open_build(directory, wanted, {"shard_passages": passages.shard_size, "dimension": None})
+    if manifest["status"] == "complete":
+        return EmbeddingStore(directory), stats
     done = list(manifest["shards"])
     dimension = manifest.get("dimension")
     stats.n_skipped = sum(done)

@@ -127,6 +127,17 @@ def resolve_device(device: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def dense_search(retriever, queries: list[str], k: int | None = None) -> list[list[Hit]]:
+    """`search` of an embedding index (chroma, faiss): blank queries get no hits; the others are embedded in
+    one call and searched in one `search_embeddings` call."""
+    asked = [i for i, q in enumerate(queries) if q and q.strip()]
+    results: list[list[Hit]] = [[] for _ in queries]
+    if not asked:
+        return results
+    embeddings = retriever.embedder.embed_queries([queries[i] for i in asked])
+    return retriever.search_embeddings(embeddings, k or retriever.top_k, into=results, rows=asked)
+
+
 class ScopeEmbedder(EmbeddingFunction[Documents]):
     """Base of our embedding functions: separate query and document embeddings, L2-normalised float32.
 
@@ -520,13 +531,7 @@ class ChromaRetriever:
         self.build_stats = build_stats or BuildStats()
 
     def search(self, queries: list[str], k: int | None = None) -> list[list[Hit]]:
-        k = k or self.top_k
-        asked = [i for i, q in enumerate(queries) if q and q.strip()]
-        results: list[list[Hit]] = [[] for _ in queries]
-        if not asked:
-            return results
-        embeddings = self.embedder.embed_queries([queries[i] for i in asked])
-        return self.search_embeddings(embeddings, k, into=results, rows=asked)
+        return dense_search(self, queries, k)
 
     def search_embeddings(self, embeddings: np.ndarray, k: int | None = None, *,
                           into: list[list[Hit]] | None = None, rows: list[int] | None = None) -> list[list[Hit]]:

@@ -222,13 +222,9 @@ class FaissRetriever:
         self.index = _to_gpu(index) if gpu_available(cfg.faiss_gpu) else index
 
     def search(self, queries: list[str], k: int | None = None) -> list[list[Hit]]:
-        k = k or self.top_k
-        asked = [i for i, q in enumerate(queries) if q and q.strip()]
-        results: list[list[Hit]] = [[] for _ in queries]
-        if not asked:
-            return results
-        embeddings = self.embedder.embed_queries([queries[i] for i in asked])
-        return self.search_embeddings(embeddings, k, into=results, rows=asked)
+        from scope_lib.retrieval import dense_search
+
+        return dense_search(self, queries, k)
 
     def search_embeddings(self, embeddings: np.ndarray, k: int | None = None, *,
                           into: list[list[Hit]] | None = None, rows: list[int] | None = None) -> list[list[Hit]]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from servers import JSONHandler, loopback
 
 DIMENSIONS = ("comprehensiveness", "insight", "instruction_following", "readability")
 
@@ -62,15 +62,10 @@ def judge_reply(messages: list[dict[str, str]], seen: int) -> str:
     return "I cannot tell what this prompt wants."
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: ThreadingHTTPServer
-
-    def log_message(self, *args):
-        pass
-
+class _Handler(JSONHandler):
     def do_POST(self):
         state = self.server.state
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         key = json.dumps(body["messages"], sort_keys=True)
         with state["lock"]:
             state["bodies"].append(body)
@@ -78,28 +73,16 @@ class _Handler(BaseHTTPRequestHandler):
             seen = state["seen"].get(key, 0)
             state["seen"][key] = seen + 1
         text = judge_reply(body["messages"], seen)
-        data = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                        "finish_reason": "stop"}],
-                           "usage": {"prompt_tokens": 50, "completion_tokens": 10}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 50, "completion_tokens": 10}})
 
 
 @contextmanager
 def scripted_judge_server():
     """A loopback /v1/chat/completions endpoint answering with `judge_reply`; yields (base_url, state)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.state = {"lock": threading.Lock(), "bodies": [], "seen": {}, "authorization": None}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback(_Handler, {"bodies": [], "seen": {}, "authorization": None}) as served:
+        yield served
 
 
 class ScriptedJudgeBackend:

@@ -1,12 +1,16 @@
-"""Start a real server process on a free loopback port for a test, wait until it is healthy, stop it after."""
+"""Servers for tests: a real server process on a free loopback port (started, waited for, stopped), and small
+in-process JSON endpoints (`JSONHandler` + `loopback`) that play a remote API."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -46,3 +50,38 @@ def server_process(command: list[str], health_url: str, log_path: Path, *, env: 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """Base of the in-process test endpoints: quiet, reads a JSON body, writes a JSON reply. `self.server.state`
+    is the dict the test shares with the handler."""
+
+    server: ThreadingHTTPServer
+
+    def log_message(self, *args):
+        pass
+
+    def read_json(self):
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+    def reply(self, status: int, payload, headers: dict | None = None) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                           **(headers or {})}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@contextmanager
+def loopback(handler: type[JSONHandler], state: dict) -> Iterator[tuple[str, dict]]:
+    """Serve `handler` on a free loopback port with `state` (plus a "lock") in threads; yields (url, state)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.state = {"lock": threading.Lock(), **state}
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.state
+    finally:
+        server.shutdown()
+        server.server_close()

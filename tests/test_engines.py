@@ -9,19 +9,16 @@ reference forward pass runs with the same hook.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import sys
-import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-from servers import free_port, server_process
+from servers import JSONHandler, free_port, loopback, server_process
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.config import validate_params
@@ -364,18 +361,13 @@ def test_openai_engine_closed_port_fails_fast(tokenizer):
     assert time.monotonic() - started < 5
 
 
-class _FakeVLLM(BaseHTTPRequestHandler):
+class _FakeVLLM(JSONHandler):
     """A loopback server that answers like `vllm serve` (token ids, logprobs, stop_reason), fails each
     prompt's first attempt with 503 and holds every request briefly, so retries and concurrency show."""
 
-    server: ThreadingHTTPServer
-
-    def log_message(self, *args):  # quiet
-        pass
-
     def do_POST(self):
         state = self.server.state
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         prompt = tuple(body["prompt"])
         with state["lock"]:
             state["bodies"].append(body)
@@ -387,42 +379,28 @@ class _FakeVLLM(BaseHTTPRequestHandler):
         with state["lock"]:
             state["in_flight"] -= 1
         if body["model"] == "missing":
-            return self._reply(404, {"error": "model 'missing' not found"})
+            return self.reply(404, {"error": "model 'missing' not found"})
         if first:
-            return self._reply(503, {"error": "warming up"})
+            return self.reply(503, {"error": "warming up"})
         n = prompt[-1] % 3  # vary the ending by prompt: stop string, eos (sent as the last id), length
         ids = state["replies"][n] + ([state["eos"]] if n == 1 else [])
         choice = {"index": 0, "text": "ignored", "token_ids": ids,
                   "logprobs": {"token_logprobs": [-0.5] * len(ids)},
                   "finish_reason": "length" if n == 2 else "stop",
                   "stop_reason": "</search>" if n == 0 else None}
-        self._reply(200, {"choices": [choice]})
-
-    def _reply(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(200, {"choices": [choice]})
 
 
 def test_openai_engine_tokens_mode_retries_and_concurrency(tokenizer):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
     texts = ["<search>river city</search>", "The river.", "a b c d e f g h"]
     replies = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    server.state = {"lock": threading.Lock(), "bodies": [], "seen": set(), "in_flight": 0, "max_in_flight": 0,
-                    "replies": replies, "eos": tokenizer.eos_token_id}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        engine = OpenAIEngine(url, "base", tokenizer, concurrency=4, max_retries=2, backoff_s=0.01,
+    with loopback(_FakeVLLM, {"bodies": [], "seen": set(), "in_flight": 0, "max_in_flight": 0, "replies": replies,
+                              "eos": tokenizer.eos_token_id}) as (url, state):
+        engine = OpenAIEngine(f"{url}/v1", "base", tokenizer, concurrency=4, max_retries=2, backoff_s=0.01,
                               prompt_format="tokens")
         prompts = [p + [k] for k, p in enumerate(chat_prompts(tokenizer, QUESTIONS[:1] * 4))]
         sampling = Sampling(max_new_tokens=max(len(r) for r in replies), stop=("</search>",), seed=10)
         out = engine.generate(prompts, sampling, adapter="solver")
-        state = server.state
         assert engine.calls == 1 and len(out) == 4
         assert state["max_in_flight"] >= 2, "requests must run concurrently"
         assert len(state["bodies"]) == 8  # each prompt: one 503, one retry
@@ -437,9 +415,6 @@ def test_openai_engine_tokens_mode_retries_and_concurrency(tokenizer):
         with pytest.raises(EngineRequestError, match="404"):
             engine.generate(prompts[:1], sampling, adapter="missing")
         engine.close()
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # -- factory ---------------------------------------------------------------------------------------
@@ -481,7 +456,7 @@ def test_make_engine(model, tokenizer, tiny_corpus, tmp_path, monkeypatch):
 SECRET = "sk-test-TOPSECRET-0123456789"
 
 
-class _Strict(BaseHTTPRequestHandler):
+class _Strict(JSONHandler):
     """A loopback server with vLLM's strictness and a careless error body.
 
     - a request whose prompt plus max_tokens exceeds `max_model_len` gets HTTP 400 (as `vllm serve` does);
@@ -490,14 +465,9 @@ class _Strict(BaseHTTPRequestHandler):
     - `mode` "text-only": token-id prompts get 400, text prompts succeed.
     """
 
-    server: ThreadingHTTPServer
-
-    def log_message(self, *args):
-        pass
-
     def do_POST(self):
         state = self.server.state
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         with state["lock"]:
             state["bodies"].append((time.monotonic(), body))
             state["authorization"] = self.headers.get("Authorization")
@@ -505,43 +475,26 @@ class _Strict(BaseHTTPRequestHandler):
         mode = state["mode"]
         if mode == "echo":
             status = 500 if state.get("status_5xx") else 401
-            return self._reply(status, {"error": "bad request", "headers": dict(self.headers.items())})
+            return self.reply(status, {"error": "bad request", "headers": dict(self.headers.items())})
         if mode == "ratelimit" and n == 1:
-            return self._reply(429, {"error": "slow down"}, {"Retry-After": str(state["retry_after"])})
+            return self.reply(429, {"error": "slow down"}, {"Retry-After": str(state["retry_after"])})
         prompt = body["prompt"]
         if isinstance(prompt, list):
             if mode == "text-only":
-                return self._reply(400, {"error": "prompt must be a string"})
+                return self.reply(400, {"error": "prompt must be a string"})
             length = len(prompt)
         else:
             length = len(state["tokenizer"].encode(prompt, add_special_tokens=False))
         if length + body["max_tokens"] > state["max_model_len"]:
-            return self._reply(400, {"error": f"This model's maximum context length is {state['max_model_len']}"})
+            return self.reply(400, {"error": f"This model's maximum context length is {state['max_model_len']}"})
         ids = state["tokenizer"].encode(" river", add_special_tokens=False)[: body["max_tokens"]]
-        return self._reply(200, {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "length"}]})
-
-    def _reply(self, status, payload, headers=None):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                           **(headers or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
+        return self.reply(200, {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "length"}]})
 
 
 @contextmanager
 def strict_server(tokenizer, mode="ok", **state):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Strict)
-    server.state = {"lock": threading.Lock(), "bodies": [], "mode": mode, "tokenizer": tokenizer,
-                    "max_model_len": 64, **state}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback(_Strict, {"bodies": [], "mode": mode, "tokenizer": tokenizer, "max_model_len": 64, **state}) as served:
+        yield served
 
 
 def test_every_request_is_capped_at_the_context(tokenizer):

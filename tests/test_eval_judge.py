@@ -8,14 +8,12 @@ import importlib.util
 import json
 import os
 import sys
-import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from servers import free_port, server_process
+from servers import JSONHandler, free_port, loopback, server_process
 
 from scope_lib.eval_judge import (
     BenchmarkJudge,
@@ -30,18 +28,13 @@ from scope_lib.eval_judge import (
 SECRET = "sk-judge-TOPSECRET-9876543210"
 
 
-class ChatServer(BaseHTTPRequestHandler):
+class ChatServer(JSONHandler):
     """/v1/chat/completions answered by `state["reply"](body, n)` -> (status, payload, headers); records bodies and
     the Authorization header; tracks requests in flight."""
 
-    server: ThreadingHTTPServer
-
-    def log_message(self, *args):
-        pass
-
     def do_POST(self):
         state = self.server.state
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         with state["lock"]:
             state["bodies"].append(body)
             state["auth"] = self.headers.get("Authorization")
@@ -54,12 +47,7 @@ class ChatServer(BaseHTTPRequestHandler):
         finally:
             with state["lock"]:
                 state["in_flight"] -= 1
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(status, payload, headers)
 
 
 def ok(text, prompt_tokens=100, completion_tokens=20, reasoning=5):
@@ -70,16 +58,8 @@ def ok(text, prompt_tokens=100, completion_tokens=20, reasoning=5):
 
 @contextmanager
 def chat_server(reply, **state):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ChatServer)
-    server.state = {"lock": threading.Lock(), "bodies": [], "reply": reply, "in_flight": 0, "max_in_flight": 0,
-                    **state}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback(ChatServer, {"bodies": [], "reply": reply, "in_flight": 0, "max_in_flight": 0, **state}) as served:
+        yield served
 
 
 def request(text, model="judge-m", effort=None, sample=0, tag="bench/scorer", max_tokens=256):

@@ -6,13 +6,10 @@ the tiny model in this process and records what it was asked to do; vLLM itself 
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 import torch
 from safetensors.torch import load_file
+from servers import JSONHandler, loopback
 from test_training import build_trainer, challenger_stage
 from training_helpers import AlternatingEngine, fast_params, load_policy
 
@@ -115,72 +112,52 @@ def test_importance_ratio_modes():
     assert importance_ratio(gap, mask, "sequence_mask", 0.5, 3.0)[0, 0] == 0.0   # exp(-1) < 0.5
 
 
-class _LoraServer(BaseHTTPRequestHandler):
+class _LoraServer(JSONHandler):
     """`vllm serve --enable-lora` with runtime loading: /v1/load_lora_adapter, /v1/unload_lora_adapter, and
     completions that echo which model served them."""
 
-    server: ThreadingHTTPServer
-
-    def log_message(self, *args):
-        pass
-
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         state = self.server.state
         state["calls"].append((self.path, body))
         if self.path == "/v1/load_lora_adapter":
             state["loaded"].add(body["lora_name"])
-            return self._reply(200, {"ok": True})
+            return self.reply(200, {"ok": True})
         if self.path == "/v1/unload_lora_adapter":
             if body["lora_name"] not in state["loaded"]:
-                return self._reply(404, {"error": "not loaded"})
+                return self.reply(404, {"error": "not loaded"})
             state["loaded"].discard(body["lora_name"])
-            return self._reply(200, {"ok": True})
+            return self.reply(200, {"ok": True})
         if self.path != "/v1/completions":
-            return self._reply(404, {"error": f"no route {self.path}"})
+            return self.reply(404, {"error": f"no route {self.path}"})
         if body["model"] not in state["loaded"] | {"base"}:
-            return self._reply(404, {"error": f"model {body['model']} not found"})
-        return self._reply(200, {"choices": [{"text": body["model"], "token_ids": [5, 6], "finish_reason": "length"}]})
-
-    def _reply(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            return self.reply(404, {"error": f"model {body['model']} not found"})
+        return self.reply(200, {"choices": [{"text": body["model"], "token_ids": [5, 6], "finish_reason": "length"}]})
 
 
 def test_runtime_lora_loading_over_http(tiny_tokenizer, tmp_path):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _LoraServer)
-    server.state = {"calls": [], "loaded": set()}
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     folder = tmp_path / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text("{}")
-    try:
-        engine = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}", "base", tiny_tokenizer,
-                              prompt_format="tokens", backoff_s=0.01)
+    with loopback(_LoraServer, {"calls": [], "loaded": set()}) as (url, state):
+        engine = OpenAIEngine(url, "base", tiny_tokenizer, prompt_format="tokens", backoff_s=0.01)
         assert engine.add_adapter("solver", folder, version=3) == "solver@3"
         out = engine.generate([[1, 2, 3]], Sampling(max_new_tokens=2), adapter="solver")
-        sent = [b for path, b in server.state["calls"] if path == "/v1/completions"]
+        sent = [b for path, b in state["calls"] if path == "/v1/completions"]
         assert sent[-1]["model"] == "solver@3" and out[0].token_ids == [5, 6]
         engine.add_adapter("solver", folder, version=4)                   # the new version, then the old one out
-        assert server.state["loaded"] == {"solver@4"}
+        assert state["loaded"] == {"solver@4"}
         engine.generate([[1, 2, 3]], Sampling(max_new_tokens=2), adapter="solver")
-        assert [b for p, b in server.state["calls"] if p == "/v1/completions"][-1]["model"] == "solver@4"
+        assert [b for p, b in state["calls"] if p == "/v1/completions"][-1]["model"] == "solver@4"
         engine.generate([[1, 2, 3]], Sampling(max_new_tokens=2))          # the base: the Judge
-        assert [b for p, b in server.state["calls"] if p == "/v1/completions"][-1]["model"] == "base"
+        assert [b for p, b in state["calls"] if p == "/v1/completions"][-1]["model"] == "base"
         with pytest.raises(FileNotFoundError, match="adapter_config"):
             engine.add_adapter("solver", tmp_path)
         engine.close()
-        server.state["loaded"].clear()
-        broken = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/nothing", "base", tiny_tokenizer)
+        state["loaded"].clear()
+        broken = OpenAIEngine(f"{url}/nothing", "base", tiny_tokenizer)
         with pytest.raises(EngineRequestError, match="enable-lora"):
             broken.add_adapter("solver", folder)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 class _FakeLLM:
