@@ -438,10 +438,10 @@ def importance_ratio(logp_diff: torch.Tensor, mask: torch.Tensor, mode: str, cli
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)
     ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio if clip_min is None and clip_max is None else ratio.clamp(min=clip_min, max=clip_max)
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
-    if mode.endswith("truncate"):
-        return ratio.clamp(min=None if clip_min is None else clip_min, max=None if clip_max is None else clip_max)
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
