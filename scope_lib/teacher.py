@@ -68,8 +68,8 @@ CHALLENGER_FEWER_SEARCHES = 0.1      # share of Challenger rollouts that write t
 SOLVER_SEARCHES = {0: 0.15, 1: 0.45, 2: 0.4}   # searches before answering (capped at the allowed number)
 SOLVER_ANSWER_FACTS = {0: 0.2, 1: 0.5, 2: 0.3}  # retrieved sentences the answer is built from
 SOLVER_ROLLOUTS = 2                  # Solver rollouts per task (a GRPO group in the smoke run)
-SOURCE_MISMATCH_SHARE = 0.3          # extra source-relevance examples pairing a task with another document
-NEGATIVE_GRADES_KEPT = 0.4           # share of 0-verdict grades kept (the Solver's answers mostly miss facts)
+SOURCE_MISMATCH_SHARE = 0.15         # extra source-relevance examples pairing a task with another document
+NEGATIVE_GRADES_KEPT = 0.3           # share of 0-verdict grades kept (the Solver's answers mostly miss facts)
 GOOD_ANSWERS = 3                     # extra grades per task of an answer quoting the rubric's source sentence
 
 
@@ -189,6 +189,26 @@ def _contains(haystack: str, needle: str) -> bool:
     return re.search(rf"(?<![\w]){re.escape(needle)}(?![\w])", haystack, re.IGNORECASE) is not None
 
 
+#: The teacher's reasoning, one fixed sentence per kind of turn. Names appear only where the protocol needs
+#: them (search queries, tasks, answers, rubrics), each followed by text its own few preceding tokens decide,
+#: which is what a tiny model can learn to continue.
+THINK = {
+    "challenger_source": "I will search for a name the source document mentions.",
+    "challenger_results": "I will follow a new name from these results.",
+    "challenger_task": "Task check: each search adds a fact, every name is given in full, and nothing is leaked.",
+    "solver_search": "I will search for a name in the question.",
+    "solver_answer": "The results give the facts I need.",
+    "solver_guess": "I will answer briefly.",
+    "gate_named": "The task names its entities in full.",
+    "gate_unnamed": "The task names no specific entity.",
+    "gate_related": "The task is about names in the source document.",
+    "gate_unrelated": "The task names nothing from the source document.",
+    "gate_generic": "The task is generic.",
+    "grade_met": "The response contains the fact the rubric asks for.",
+    "grade_missed": "The response does not contain the fact the rubric asks for.",
+}
+
+
 # -- the engine ----------------------------------------------------------------------------------------
 
 
@@ -290,15 +310,11 @@ def _choice(rng: random.Random, weights: dict[Any, float]) -> Any:
 # -- Challenger ----------------------------------------------------------------------------------------
 
 _TASKS = {
-    "long_form_qa": ["Explain how {names} are connected, in one paragraph.",
-                     "Explain what links {names}, in one paragraph."],
-    "summarisation": ["Summarise what is known about {names}, in a short paragraph.",
-                      "Summarise the story that links {names}, in five sentences."],
-    "planning": ["Plan a three-step study of {names}, with a timeline.",
-                 "Plan a one-week visit to learn about {names}, day by day."],
-    "writing": ["Write a short report on {names}, with an introduction, body and conclusion.",
-                "Write an essay on {names}, with an introduction, body and conclusion."],
-    "short_form_qa": ["Name the link between {names}, in a few words."],
+    "long_form_qa": ["Explain in one paragraph the connection between {names}."],
+    "summarisation": ["Summarise in a short paragraph what is known about {names}."],
+    "planning": ["Plan with a timeline a three-step study of {names}."],
+    "writing": ["Write a report with an introduction, body and conclusion on {names}."],
+    "short_form_qa": ["Name in a few words the link between {names}."],
 }
 _GENERIC_TASKS = {
     "long_form_qa": "Explain the main idea of the document, in one paragraph.",
@@ -371,16 +387,14 @@ class ChallengerTeacher:
             if found is not None:
                 name, where = found
                 call = self.dialect.format_search(_query(name))
-                lead = "The source names" if where == "source" else "The results name"
-                return fit(self.tokenizer, [f"<think>{lead} {name}; I will search for it.</think>\n{call}",
-                                            f"<think>Next: {name}.</think>\n{call}"], budget)
+                think = THINK["challenger_source" if where == "source" else "challenger_results"]
+                return fit(self.tokenizer, [f"<think>{think}</think>\n{call}"], budget)
         return self.task_turn(traj, plan, budget)
 
     def task_turn(self, traj: Trajectory, plan: _ChallengerPlan, budget: int) -> str:
         task_type = traj.meta["task_type"]
         searched = list(dict.fromkeys(s.query.strip() for s in traj.searches if s.valid and s.query))
-        thinks = ["<think>Task check: each search adds a fact, every name is given in full, and nothing is "
-                  "leaked.</think>\n", "<think>Task check done.</think>\n"]
+        thinks = [f"<think>{THINK['challenger_task']}</think>\n"]
         if plan.grounding == "generic" or not searched:
             options = [([], _GENERIC_TASKS[task_type])]
         else:
@@ -427,8 +441,7 @@ class SolverTeacher:
             if query is None:  # a generic task: search its topic words
                 query = " ".join(traj.meta["task"].split()[1:5]).strip(",.")
             call = self.dialect.format_search(_query(query))
-            return fit(self.tokenizer, [f"<think>I need facts about {query}.</think>\n{call}",
-                                        f"<think>I search.</think>\n{call}"], budget)
+            return fit(self.tokenizer, [f"<think>{THINK['solver_search']}</think>\n{call}"], budget)
         return self.answer_turn(traj, plan, names, budget)
 
     def retrieved_facts(self, traj: Trajectory, exclude: Sequence[str]) -> list[str]:
@@ -443,10 +456,10 @@ class SolverTeacher:
         subject = names[0] if names else "The topic"
         facts = self.retrieved_facts(traj, exclude=names)[:plan.facts]
         if facts:
-            think = f"<think>The results link {subject} to {facts[0]}.</think>\n"
+            think = f"<think>{THINK['solver_answer']}</think>\n"
             bodies = [f" {subject} is linked to {_join(facts[:k])}." for k in range(len(facts), 0, -1)]
         else:
-            think = "<think>I answer briefly.</think>\n" if traj.searches else "<think>I answer from memory.</think>\n"
+            think = f"<think>{THINK['solver_guess']}</think>\n"
             bodies = [f" {subject} is a well-known subject."]
         return fit(self.tokenizer, [f"{think}<answer>{b}</answer>" for b in bodies]
                    + [f"<answer>{b}</answer>" for b in bodies], budget)
@@ -456,7 +469,9 @@ class SolverTeacher:
 
 _RUBRIC_VERBS = {"name": ["Identifies {fact}.", "Incorporates {fact}.", "Explains the role of {fact}."],
                  "year": ["Provides the year {fact}."]}
-_PRIORITIES = ["critical", "important", "important", "bonus", "bonus"]
+#: Priorities by rubric count: the last rubric is always the one "bonus", so a model learns where to stop.
+_PRIORITIES = {3: ["critical", "important", "bonus"], 4: ["critical", "important", "important", "bonus"],
+               5: ["critical", "critical", "important", "important", "bonus"]}
 
 
 def rubric_fact(rubric: str) -> str:
@@ -481,13 +496,11 @@ class JudgeTeacher:
         named = self.names.names(task)
         if gate == "entity_identifiability":
             if named:
-                return 1, f"<think>The task names {named[0]} in full.</think>\n<score>1</score>"
-            return 0, "<think>The task names no specific entity.</think>\n<score>0</score>"
-        related = [n for n in named if _contains(document, n)]
-        if related:
-            return 1, f"<think>The source names {related[0]}.</think>\n<score>1</score>"
-        reason = "The task is generic." if not named else f"The source never names {named[0]}."
-        return 0, f"<think>{reason}</think>\n<score>0</score>"
+                return 1, f"<think>{THINK['gate_named']}</think>\n<score>1</score>"
+            return 0, f"<think>{THINK['gate_unnamed']}</think>\n<score>0</score>"
+        if any(_contains(document, n) for n in named):
+            return 1, f"<think>{THINK['gate_related']}</think>\n<score>1</score>"
+        return 0, f"<think>{THINK['gate_generic' if not named else 'gate_unrelated']}</think>\n<score>0</score>"
 
     def rubrics(self, task: str, document: str, rng: random.Random) -> tuple[list[str], str]:
         """(rubric texts, reply): 3-5 rubrics, each naming one fact of the source that the task does not."""
@@ -497,22 +510,76 @@ class JudgeTeacher:
         chosen = facts[:rng.choice([3, 3, 4, 5])]
         if len(chosen) < 3:
             raise TeacherError(f"fewer than three facts in the document: {document[:80]!r}")
-        rubrics = []
-        for k, fact in enumerate(chosen):
-            verbs = _RUBRIC_VERBS["year" if _YEAR.fullmatch(fact) else "name"]
-            rubrics.append((_PRIORITIES[k], verbs[rng.randrange(len(verbs))].format(fact=fact)))
-        for n in range(len(rubrics), 2, -1):
-            reply = "<rubrics>\n" + "".join(f'<rubric priority="{p}">{r}</rubric>\n' for p, r in rubrics[:n]) + \
-                "</rubrics>"
+        texts = [rng.choice(_RUBRIC_VERBS["year" if _YEAR.fullmatch(f) else "name"]).format(fact=f) for f in chosen]
+        for n in range(len(texts), 2, -1):
+            reply = "<rubrics>\n" + "".join(f'<rubric priority="{p}">{r}</rubric>\n'
+                                             for p, r in zip(_PRIORITIES[n], texts, strict=False)) + "</rubrics>"
             if len(self.tokenizer.encode(reply, add_special_tokens=False)) <= RUBRIC_MAX_TOKENS:
-                return [r for _, r in rubrics[:n]], reply
-        raise TeacherError(f"three rubrics do not fit in {RUBRIC_MAX_TOKENS} tokens: {rubrics}")
+                return texts[:n], reply
+        raise TeacherError(f"three rubrics do not fit in {RUBRIC_MAX_TOKENS} tokens: {texts}")
 
     def grade(self, answer: str, rubric: str) -> tuple[int, str]:
         fact = rubric_fact(rubric)
         if _contains(answer, fact):
-            return 1, f"<think>The response gives {fact}.</think>\n<score>1</score>"
-        return 0, f"<think>The response lacks {fact}.</think>\n<score>0</score>"
+            return 1, f"<think>{THINK['grade_met']}</think>\n<score>1</score>"
+        return 0, f"<think>{THINK['grade_missed']}</think>\n<score>0</score>"
+
+
+# -- name swapping ---------------------------------------------------------------------------------------
+
+#: Share of SFT examples whose names are swapped, consistently within the example, for other names of the
+#: vocabulary (the entity anonymisation of reading-comprehension datasets). Without it a tiny model memorises
+#: which name goes with which document; with it the only way to lower the loss is to copy names from the
+#: context, which is what every role needs.
+NAME_SWAP_SHARE = 0.75
+_SWAPPABLE = re.compile(r"^ [A-Z][a-z]{2,}$")
+
+
+def swappable_names(tokenizer) -> list[int]:
+    """Token ids that are a capitalised word with a leading space and appear in no prompt template and no
+    fixed phrase of the teacher (so swapping them never changes the protocol's own text)."""
+    from scope_lib import prompts
+
+    fixed = [prompts.load_template(n).template for n in prompts.TEMPLATE_NAMES]
+    fixed += [t for ts in _TASKS.values() for t in ts] + list(_GENERIC_TASKS.values())
+    fixed += [spec.description for spec in prompts.TASK_TYPES.values()]
+    fixed += [p.format(fact="") for ps in _RUBRIC_VERBS.values() for p in ps] + [" The topic", " Task", " The"]
+    protected = {i for text in fixed for i in tokenizer.encode(text, add_special_tokens=False)}
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    out = []
+    for i, token in enumerate(vocab):
+        if i in protected or token is None:
+            continue
+        text = tokenizer.convert_tokens_to_string([token])
+        if _SWAPPABLE.match(text):
+            out.append(i)
+    return out
+
+
+def swap_names(example: Example, names: Sequence[int], name_set: set[int], rng: random.Random) -> Example:
+    """`example` with each distinct name token replaced by a distinct random one, everywhere it occurs."""
+    present = sorted({t for t in example.input_ids if t in name_set})
+    mapping = dict(zip(present, rng.sample(list(names), len(present)), strict=True))
+    return Example(example.role, [mapping.get(t, t) for t in example.input_ids], list(example.completion_mask))
+
+
+def sft_passes(examples: list[Example], tokenizer, epochs: float, seed: int) -> list[Example]:
+    """`epochs` passes over the shuffled examples (a fractional last pass takes a prefix), each example's
+    names swapped with probability NAME_SWAP_SHARE by a fresh draw in every pass."""
+    names = swappable_names(tokenizer)
+    name_set = set(names)
+    total = max(1, round(epochs * len(examples)))
+    out: list[Example] = []
+    k = 0
+    while len(out) < total:
+        rng = random.Random(f"{seed}/pass/{k}")
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for i in order[:total - len(out)]:
+            e = examples[i]
+            out.append(swap_names(e, names, name_set, rng) if rng.random() < NAME_SWAP_SHARE else e)
+        k += 1
+    return out
 
 
 # -- putting it together ---------------------------------------------------------------------------------
@@ -678,10 +745,12 @@ def teacher_examples(tokenizer, corpus_path: str | Path, cfg: WarmStartConfig, i
 
 def protocol_fingerprint() -> str:
     """A hash of everything the warm-started model learns the protocol from besides the corpus: the prompt
-    templates, task types, dialects' search syntax and this module's version. A change rebuilds the model."""
+    templates, task types, dialects' search syntax and this module (its version and source). A change
+    rebuilds the model."""
     from scope_lib import prompts
 
     digest = hashlib.sha256(f"teacher-v{TEACHER_VERSION}".encode())
+    digest.update(Path(__file__).read_bytes())  # any change to what the teacher writes rebuilds the model
     for name in prompts.TEMPLATE_NAMES:
         digest.update(name.encode() + b"\0" + prompts.load_template(name).template.encode() + b"\0")
     for spec in prompts.TASK_TYPES.values():
@@ -719,15 +788,11 @@ def protocol_texts(passages: Sequence[str], seed: int = 0) -> list[str]:
             prompts.rubric_prompt(task_type, task, [doc.document]),
             prompts.grader_prompt(task, other.text[:300], f"Identifies {names[-1]}.", native_thinking=k % 2 == 1),
         ] + [prompts.gate_prompt(g, task, doc.document) for g in prompts.GATES]
-        texts.append("<think>The source names {0}; I will search for it.</think>\n{1}<think>The results name {0}; I "
-                     "will search for it.</think>\n{1}".format(names[-1], dialect.format_search(" " + names[-1])))
-        texts.append("<think>I need facts about {0}.</think>\n<think>The results link {0} to {1}.</think>\n<answer> "
-                     "{0} is linked to {1}.</answer><think>The task names {0} in full.</think>\n<score>1</score>"
-                     "<think>The source names {0}.</think>".format(names[0], names[-1]))
-        texts.append(f'<rubrics>\n<rubric priority="critical">Identifies {names[0]}.</rubric>\n<rubric priority="important">'
-                     'Provides the year 1990.</rubric>\n<rubric priority="bonus">Incorporates the figure 12.</rubric>\n'
-                     f'</rubrics><think>The response gives {names[0]}.</think>\n<score>1</score><think>The response lacks '
-                     f'{names[0]}.</think>\n<score>0</score>')
+        texts.append("".join(f"<think>{t}</think>\n" for t in THINK.values()))
+        texts.append(f"{dialect.format_search(' ' + names[-1])}<answer> {names[0]} is linked to {names[-1]}.</answer>")
+        texts.append(f'<rubrics>\n<rubric priority="critical">Identifies {names[0]}.</rubric>\n<rubric priority='
+                     f'"important">Provides the year 1990.</rubric>\n<rubric priority="bonus">Explains the role of '
+                     f'{names[-1]}.</rubric>\n</rubrics>')
     return texts
 
 

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 RECIPE_VERSION = 1
 #: Bump when the warm start's SFT recipe changes (the teacher has its own TEACHER_VERSION).
 WARM_RECIPE_VERSION = 1
+#: Weight of name tokens in the warm start's loss: names are what the tiny model must learn to copy from its
+#: context, and they are few among the assistant's tokens.
+NAME_LOSS_WEIGHT = 4.0
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
@@ -272,10 +275,10 @@ class _ProgressLog:
         return Callback()
 
 
-def _sft_trainer_class():
+def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1.0):
     """TRL's SFTTrainer, with the loss computed here: TRL 1.15 always scores through its fused LM head, whose
-    kernel needs Triton, which CPU-only torch lacks. The loss is the same token mean over the assistant's
-    tokens, projecting only those positions through the LM head."""
+    kernel needs Triton, which CPU-only torch lacks. The loss is the token mean over the assistant's tokens,
+    projecting only those positions through the LM head; tokens in `name_ids` count `name_weight` times."""
     import torch
     from trl import SFTTrainer
 
@@ -286,10 +289,17 @@ def _sft_trainer_class():
             hidden = backbone(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                               use_cache=False).last_hidden_state[:, :-1]
             mask = labels != -100
+            targets = labels[mask]
             logits = model.get_output_embeddings()(hidden[mask]).float()
-            total = torch.nn.functional.cross_entropy(logits, labels[mask], reduction="sum")
-            count = num_items_in_batch if num_items_in_batch is not None else mask.sum()
-            loss = total / torch.as_tensor(count, device=total.device).clamp(min=1)
+            per_token = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            if name_ids and name_weight != 1.0:
+                lookup = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                lookup[torch.as_tensor(name_ids, device=logits.device)] = True
+                weights = torch.where(lookup[targets], name_weight, 1.0)
+                loss = (per_token * weights).sum() / weights.sum().clamp(min=1)
+            else:
+                count = num_items_in_batch if num_items_in_batch is not None else mask.sum()
+                loss = per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
             return (loss, None) if return_outputs else loss
 
     return CompletionSFTTrainer
@@ -311,7 +321,7 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig
 
-    from scope_lib.teacher import teacher_examples
+    from scope_lib.teacher import sft_passes, swappable_names, teacher_examples
 
     ws = cfg.warm_start
     out = Path(model_dir)
@@ -319,10 +329,10 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     examples, stats = teacher_examples(tokenizer, corpus_path, ws, index_dir)
     teacher_s = time.perf_counter() - started
-    random.Random(ws.seed).shuffle(examples)
-    dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
-                                 "completion_mask": [e.completion_mask for e in examples],
-                                 "length": [len(e.input_ids) for e in examples]})
+    passes = sft_passes(examples, tokenizer, ws.epochs, ws.seed)
+    dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in passes],
+                                 "completion_mask": [e.completion_mask for e in passes],
+                                 "length": [len(e.input_ids) for e in passes]})
     longest = max(len(e.input_ids) for e in examples)
     if longest > cfg.max_position_embeddings:
         raise TinyModelError(f"model.tiny.max_position_embeddings ({cfg.max_position_embeddings}) is shorter than "
@@ -332,13 +342,13 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
         work = Path(tempfile.mkdtemp(prefix=".sft-", dir=out))
         try:
             args = SFTConfig(
-                output_dir=str(work), per_device_train_batch_size=ws.batch_size, num_train_epochs=ws.epochs,
+                output_dir=str(work), per_device_train_batch_size=ws.batch_size, num_train_epochs=1,
                 learning_rate=ws.learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.0,
                 max_grad_norm=1.0, completion_only_loss=True, max_length=None, seed=ws.seed, data_seed=ws.seed,
                 train_sampling_strategy="group_by_length", save_strategy="no", report_to=[], logging_steps=10,
                 use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, dataloader_num_workers=0,
                 disable_tqdm=not log.isEnabledFor(logging.INFO), gradient_checkpointing=False)
-            trainer = _sft_trainer_class()(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+            trainer = _sft_trainer_class(swappable_names(tokenizer), NAME_LOSS_WEIGHT)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                  callbacks=[_ProgressLog()])
             result = trainer.train()
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -377,7 +387,8 @@ def cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
         from scope_lib.corpus import corpus_checksum
         from scope_lib.teacher import protocol_fingerprint
 
-        record.update(warm_recipe_version=WARM_RECIPE_VERSION, corpus_file_sha256=corpus_checksum(corpus_path),
+        record.update(warm_recipe_version=WARM_RECIPE_VERSION, name_loss_weight=NAME_LOSS_WEIGHT,
+                      corpus_file_sha256=corpus_checksum(corpus_path),
                       protocol=protocol_fingerprint())
     payload = json.dumps(record, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
