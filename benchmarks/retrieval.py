@@ -1,6 +1,7 @@
 """Retrieval speed and HNSW quality: prints markdown tables (a measurement, not a pass/fail test).
 
     python benchmarks/retrieval.py --sizes 1000,100000 --embedder minilm-offline --queries 256
+    python benchmarks/retrieval.py --scale 1000000     # every backend and faiss index type at 1M passages
 
 Corpora, per size:
 - size <= 1000: the real wiki-18 sample, embedded with `--embedder`, stored as our index stores passages
@@ -328,6 +329,14 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def main() -> None:
+    if "--scale" in sys.argv:  # every backend at 1M passages: benchmarks/retrieval_scale.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import retrieval_scale
+
+        at = sys.argv.index("--scale")
+        sys.argv[at:at + 2] = ["--passages", sys.argv[at + 1]] if len(sys.argv) > at + 1 else ["--passages", "1000000"]
+        retrieval_scale.main()
+        return
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,100000", help="corpus sizes, comma separated")
     parser.add_argument("--embedder", default="minilm-offline", choices=["hashing", "minilm-offline"],

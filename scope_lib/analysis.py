@@ -162,3 +162,115 @@ def grading_pairs(evals, graded) -> list[tuple[str, str, str, int | None]]:
             continue
         pairs.extend((e.task, g.trajectory.answer, r.text, v) for r, v in zip(e.rubrics, g.verdicts, strict=True))
     return pairs
+
+
+# -- tables for notebook 04: a training run read back from its folder --------------------------------------
+
+
+def _jsonl(path) -> list[dict]:
+    from scope_lib.runs import read_jsonl
+
+    return read_jsonl(path) if path.is_file() else []
+
+
+def _iterations(run_dir) -> list[tuple[int, Any]]:
+    from pathlib import Path
+
+    folders = sorted(p for p in Path(run_dir).glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+    return [(int(p.name[5:]), p) for p in folders]
+
+
+def training_metrics(run_dir) -> Any:
+    """Every training step of a run (iter_NN/<role>/metrics.jsonl), one row per step, with `global_step`
+    counting a role's steps across iterations (the x axis of Figures 6 and 7)."""
+    import pandas as pd
+
+    rows = [r for _, folder in _iterations(run_dir) for role in ("challenger", "solver")
+            for r in _jsonl(folder / role / "metrics.jsonl")]
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    frame = frame.sort_values(["role", "iteration", "step"]).reset_index(drop=True)
+    frame["global_step"] = frame.groupby("role").cumcount() + 1
+    return frame
+
+
+def pool_candidates(run_dir) -> Any:
+    """Every candidate task of every task pool (Stage 2): its iteration, type, outcome, g-bar, and whether it
+    was kept."""
+    import pandas as pd
+
+    rows = []
+    for t, folder in _iterations(run_dir):
+        for c in _jsonl(folder / "pool" / "candidates.jsonl"):
+            e = c["evaluation"]
+            rows.append({"iteration": t, "id": c["id"], "task type": e["task_type"], "outcome": e["outcome"],
+                         "gates passed": e["gates_passed"], "g-bar": e["mean_score"], "kept": c["kept"],
+                         "task": e["task"]})
+    return pd.DataFrame(rows)
+
+
+def gate_pass_by_task_type(candidates) -> Any:
+    """Share of written tasks that passed the gates, per iteration and task type."""
+    written = candidates[candidates["outcome"] != "no task"] if len(candidates) else candidates
+    if written.empty:
+        return written
+    return (written.groupby(["iteration", "task type"])["gates passed"].mean().rename("gate pass rate")
+            .reset_index())
+
+
+def iteration_summary(run_dir) -> Any:
+    """One row per iteration: Stage 1 reward, the pool's size and yield, Stage 3's rubric score, searches and
+    answer length (Figure 3b, 6, 7 by iteration)."""
+    import pandas as pd
+
+    from scope_lib.runs import Stage
+
+    metrics = training_metrics(run_dir)
+    rows = []
+    for t, folder in _iterations(run_dir):
+        pool = Stage(folder / "pool").summary
+        row: dict[str, Any] = {"iteration": t, "pool tasks": pool.get("tasks"), "pool yield": pool.get("yield"),
+                               "challenger frozen": "frozen_at" in Stage(folder / "challenger").summary}
+        for role, columns in (("challenger", ["reward", "gate_pass_rate", "mean_rubric_score"]),
+                              ("solver", ["reward", "rubric_score", "searches_per_rollout", "answer_tokens"])):
+            steps = metrics[(metrics["role"] == role) & (metrics["iteration"] == t)] if len(metrics) else metrics
+            for column in columns:
+                values = steps[column].dropna() if column in steps else []
+                row[f"{role} {column.replace('_', ' ')}"] = float(values.mean()) if len(values) else None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def time_split(metrics) -> Any:
+    """Seconds per role and iteration in generation, retrieval, Judge, the Stage-1 Solver rollouts, the update
+    and our own overhead."""
+    columns = ["time_generation_s", "time_retrieval_s", "time_judge_s", "time_solver_rollouts_s", "time_update_s",
+               "time_overhead_s"]
+    if metrics.empty:
+        return metrics
+    present = [c for c in columns if c in metrics]
+    table = metrics.groupby(["role", "iteration"])[present].sum()
+    return table.rename(columns=lambda c: c.removeprefix("time_").removesuffix("_s")).round(2)
+
+
+def example_tasks(run_dir, per_iteration: int = 1) -> list[dict[str, Any]]:
+    """Appendix I style examples: for each iteration, pooled tasks with their rubrics, source document and
+    the Solver answer of Stage 3 that scored best, with its per-rubric verdicts."""
+    examples = []
+    for t, folder in _iterations(run_dir):
+        tasks = _jsonl(folder / "pool" / "tasks.jsonl")
+        answers: dict[str, list[dict]] = {}
+        for r in _jsonl(folder / "solver" / "rollouts.jsonl"):
+            answers.setdefault(r["task_id"], []).append(r)
+        for task in sorted(tasks, key=lambda k: -len(answers.get(k["id"], [])))[:per_iteration]:
+            graded = [a for a in answers.get(task["id"], []) if a.get("rubric_score") is not None]
+            best = max(graded, key=lambda a: a["rubric_score"], default=None)
+            examples.append({
+                "iteration": t, "task type": task["task_type"], "task": task["task"], "g-bar": task["mean_score"],
+                "rubrics": [(r["priority"], r["text"]) for r in task.get("rubrics") or []],
+                "answer": best["trajectory"]["answer"] if best else None,
+                "searches": [s["query"] for s in best["trajectory"]["searches"] if s["valid"]] if best else [],
+                "verdicts": best["verdicts"] if best else None,
+                "rubric score": best["rubric_score"] if best else None})
+    return examples

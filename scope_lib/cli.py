@@ -1,10 +1,15 @@
 """`scope`: the command line.
 
     scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
+    scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
+    scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
-    scope index build --params P [--rebuild]     build or reuse the retrieval index
-    scope serve retrieval --params P             Search-R1 compatible /retrieve server
+    scope index plan --params P                  memory, disk and build time of every index type, side by side
+    scope index build --params P [--rebuild]     build or reuse the retrieval index (refused if it cannot fit)
+    scope index check --params P                 canary queries, results and fingerprints: pass/fail table
+    scope serve retrieval --params P             Search-R1 compatible /retrieve server (any backend)
+    scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...]   benchmarks -> <run>/eval/<checkpoint>/
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ DEFAULT_PARAMS = "params/smoke.yaml"
 
 
 def _params(args):
-    return load_params(args.params, args.override)
+    from scope_lib.engines import apply_torch_threads
+
+    params = load_params(args.params, args.override)
+    apply_torch_threads(params)
+    return params
 
 
 def cmd_run(args) -> int:
@@ -32,6 +41,24 @@ def cmd_run(args) -> int:
     for path in outputs:
         print(path)
     return 0
+
+
+def cmd_train(args) -> int:
+    from scope_lib.selfplay import run
+
+    result = run(_params(args))
+    print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
+          f"{len(result.alarms)} health alarm(s)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from scope_lib.gpu_plan import plan_gpu
+
+    report = plan_gpu(_params(args), gpu_gib=args.gpu_gib, gpus=args.gpus, engine=args.engine,
+                      sleep=not args.no_sleep)
+    print(report.table())
+    return 0 if report.fits else 1
 
 
 def cmd_params_show(args) -> int:
@@ -61,15 +88,48 @@ def cmd_data_fetch(args) -> int:
 def cmd_index_build(args) -> int:
     from scope_lib.retrieval import build_or_open_index
 
-    retriever = build_or_open_index(_params(args), rebuild=args.rebuild)
-    print(f"index ready: {retriever.count()} passages")
+    retriever = build_or_open_index(_params(args), rebuild=args.rebuild, force=args.force)
+    print(f"index ready: {retriever.describe()}")
     return 0
+
+
+def cmd_index_plan(args) -> int:
+    from scope_lib.index_plan import plan_index
+
+    plan = plan_index(_params(args), measure=not args.no_measure, n_passages=args.passages,
+                      factories=args.factories)
+    print(plan)
+    return 0
+
+
+def cmd_index_check(args) -> int:
+    from scope_lib.retrieval import check_index
+
+    report = check_index(_params(args))
+    print(report.table())
+    return 0 if report.passed else 1
 
 
 def cmd_serve_retrieval(args) -> int:
     from scope_lib.retrieval_server import serve
 
-    serve(_params(args), host=args.host, port=args.port)
+    serve(_params(args), host=args.host, port=args.port, force=args.force)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from scope_lib.evaluation import evaluate
+
+    params = _params(args)
+    summaries = evaluate(params, args.checkpoint or None, args.benchmarks or None)
+    print(f"{'checkpoint':<22} {'benchmark':<16} {'scorer':<12} {'score':>7}  95% CI          invalid")
+    for s in summaries:
+        for scorer, v in s["scorers"].items():
+            value = "-" if v["value"] is None else f"{100 * v['value']:.1f}"
+            ci = f"[{100 * v['ci95'][0]:.1f}, {100 * v['ci95'][1]:.1f}]" if v["ci95"] else "-"
+            print(f"{s['checkpoint']:<22} {s['benchmark']:<16} {scorer:<12} {value:>7}  {ci:<15} "
+                  f"{v['n_invalid_units']}/{v['n_units']}")
+    print(f"results: {params.run_dir / 'eval'}")
     return 0
 
 
@@ -91,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-html", action="store_true", help="skip the HTML copies")
     run.set_defaults(func=cmd_run)
 
+    train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)
+    train.set_defaults(func=cmd_train)
+
+    gpu = with_params(sub.add_parser("plan", help="GPU memory of a run, per GPU (exit 1 if it cannot fit)"))
+    gpu.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100: 80, H200: 141)")
+    gpu.add_argument("--gpus", type=int, default=1, help="GPUs the trainer is spread over")
+    gpu.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default: params)")
+    gpu.add_argument("--no-sleep", action="store_true", help="vLLM stays awake while the trainer steps")
+    gpu.set_defaults(func=cmd_plan)
+
     params = sub.add_parser("params", help="inspect parameters").add_subparsers(dest="what", required=True)
     with_params(params.add_parser("show", help="print resolved parameters"), positional=True).set_defaults(
         func=cmd_params_show)
@@ -103,26 +173,46 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_data_fetch)
 
     index = sub.add_parser("index", help="retrieval index").add_subparsers(dest="what", required=True)
-    build = with_params(index.add_parser("build", help="build or reuse the chroma index"))
+    build = with_params(index.add_parser("build", help="build or reuse the retrieval index"))
     build.add_argument("--rebuild", action="store_true", help="rebuild even if an index exists")
+    build.add_argument("--force", action="store_true", help="build even if the memory plan says it won't fit")
     build.set_defaults(func=cmd_index_build)
+    plan = with_params(index.add_parser("plan", help="memory, disk and build time per index type"))
+    plan.add_argument("--passages", type=int, help="plan for this many passages (default: the corpus's)")
+    plan.add_argument("--factories", nargs="+", help="faiss factory strings to compare (default: a standard set)")
+    plan.add_argument("--no-measure", action="store_true", help="do not time the embedder (no build times)")
+    plan.set_defaults(func=cmd_index_plan)
+    check = with_params(index.add_parser("check", help="canary queries and fingerprints; exit 1 on failure"))
+    check.set_defaults(func=cmd_index_check)
 
     serve = sub.add_parser("serve", help="servers").add_subparsers(dest="what", required=True)
     retr = with_params(serve.add_parser("retrieval", help="Search-R1 compatible /retrieve server"))
     retr.add_argument("--host", default="127.0.0.1")
     retr.add_argument("--port", type=int, default=8000)
+    retr.add_argument("--force", action="store_true", help="build the index even if the plan says it won't fit")
     retr.set_defaults(func=cmd_serve_retrieval)
+    ev = with_params(sub.add_parser("eval", help="evaluate checkpoints on the paper's benchmarks (§4.1)"),
+                     positional=True)
+    ev.add_argument("--checkpoint", nargs="*", default=None, metavar="C",
+                    help="base, iter_NN/solver or a path (default: evaluation.checkpoints)")
+    ev.add_argument("--benchmarks", nargs="*", default=None, metavar="B",
+                    help="benchmark names (default: evaluation.benchmarks)")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from scope_lib.benchmarks import BenchmarkDataError
     from scope_lib.corpus import CorpusError
+    from scope_lib.eval_judge import JudgeUnavailable
+    from scope_lib.retrieval import RetrievalError
 
     try:
         return args.func(args)
-    except (ParamsError, CorpusError, FileNotFoundError) as exc:
+    except (ParamsError, CorpusError, FileNotFoundError, BenchmarkDataError, JudgeUnavailable, RetrievalError,
+            ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -108,11 +108,18 @@ class JudgeConfig(Section):
         ["entity_identifiability", "source_relevance"],
         description="Quality gates QG(q, d) applied to each task (§3.1); all must pass.")
     gate_temperature: float = Field(0.0, ge=0.0, description="Gate sampling temperature.")
-    gate_max_tokens: int = Field(256, ge=1, description="Gate reply budget (1024 suits thinking models).")
+    gate_max_tokens: int | None = Field(
+        None, ge=1, description="Gate reply budget; None = 1024 for a Judge that thinks natively (Qwen3), "
+        "256 otherwise (the authors' settings).")
     rubric_temperature: float = Field(0.0, ge=0.0, description="Rubric generation temperature (Table 9).")
     rubric_max_tokens: int = Field(8192, ge=1, description="Rubric generation max tokens (Table 9).")
     min_rubrics: int = Field(3, ge=1, description="Fewest rubrics a valid reply holds (Table 9).")
-    max_rubrics: int = Field(10, ge=1, description="Most rubrics a valid reply holds (the prompt asks 3-5).")
+    max_rubrics: int = Field(5, ge=1, description="Most rubrics a valid reply holds: 5, as App. G asks "
+                             "(3-5); the authors' code accepts up to 10.")
+    rubric_prompt: Literal["paper", "grounded"] = Field(
+        "paper", description="Rubric writer prompt: 'paper' = Figure 12's four rules; 'grounded' adds a fifth "
+        "rule asking for rubrics that name concrete facts of the context documents (for small Judges whose "
+        "rubrics restate the task, Table 10).")
     rubric_context: Literal["source", "source+evidence"] = Field(
         "source", description="What the rubric writer reads: the source document d (paper) or d plus "
         "the Challenger's retrieved evidence (the authors' code).")
@@ -122,9 +129,11 @@ class JudgeConfig(Section):
         "filter); None = `grading_temperature`. The authors' code uses 0.0.")
     grading_max_tokens: int = Field(16384, ge=1, description="Grading max tokens (Table 9).")
     native_thinking: bool | None = Field(
-        None, description="Use the grader variant for models that think natively (no <think> "
-        "instruction); None = detect from the dialect (Qwen3).")
-    parse_retries: int = Field(1, ge=0, description="Re-asks for an unparseable reply before scoring 0.")
+        None, description="The Judge thinks natively: grader variant without the <think> instruction, no stop "
+        "at the closing tag, larger gate budget. None = detect from each Judge model's own name (Qwen3).")
+    parse_retries: int = Field(
+        1, ge=0, description="Re-asks for an unparseable reply, with a short corrective instruction (reply "
+        "with only the required tag), before it counts as a failure.")
     rubric_weights: Literal["uniform", "priority"] = Field(
         "uniform", description="w_k in eq. 1: uniform (paper, §4.1) or by priority.")
     priority_weights: dict[str, float] = Field(
@@ -143,8 +152,30 @@ class RetrievalConfig(Section):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="Malformed corpus lines: stop with file:line, or skip them and report counts.")
     max_passages: int | None = Field(None, ge=1, description="Index only the first N passages; None = all.")
-    backend: Literal["chroma", "http"] = Field(
-        "chroma", description="'chroma': our chromadb index; 'http': any Search-R1 style /retrieve server.")
+    backend: Literal["chroma", "faiss", "bm25", "http"] = Field(
+        "chroma", description="'chroma': chromadb (small corpora); 'faiss': a FAISS index (`faiss_factory`; "
+        "Flat = the paper's exact search, App. G); 'bm25': lexical BM25 (bm25s, no embedder); 'http': any "
+        "Search-R1 style /retrieve server.")
+    index_dir: str | None = Field(
+        None, description="Where local indexes live; None = <run_dir>/index. Share one across runs to reuse it.")
+    faiss_factory: str = Field(
+        "Flat", min_length=1, description="FAISS index factory string: 'Flat' = exact inner product (the "
+        "paper's e5_Flat), 'HNSW32,SQ8', 'IVF4096,SQ8', 'IVF4096,PQ64', ... (`scope index plan` compares).")
+    faiss_train_size: int = Field(
+        200_000, ge=1, description="Embeddings sampled (seeded) to train IVF / PQ / SQ indexes.")
+    faiss_nprobe: int = Field(32, ge=1, description="IVF lists searched per query (search time; recall vs speed).")
+    faiss_rerank: int = Field(
+        0, ge=0, description="Re-rank this many candidates per query by exact inner product against the "
+        "float32 embeddings read from disk (0 = off); lifts a compressed index's recall to near exact.")
+    faiss_gpu: bool = Field(
+        False, description="Train and search on the GPU when the FAISS GPU build sees one (else CPU, warned).")
+    shard_passages: int = Field(
+        50_000, ge=1, description="Passages per on-disk shard of a faiss / bm25 build: the unit of resume.")
+    bm25_k1: float = Field(1.5, gt=0, description="BM25 term-frequency saturation k1 (bm25s, Lucene variant).")
+    bm25_b: float = Field(0.75, ge=0, le=1, description="BM25 length normalisation b.")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Memory an index build may use; None = the machine's available RAM. "
+        "`scope index build` refuses a build the plan says exceeds it (unless --force).")
     chroma_mode: Literal["embedded", "server"] = Field(
         "embedded", description="chromadb PersistentClient in the run dir, or HttpClient to `chroma run`.")
     chroma_host: str = Field("127.0.0.1", description="chroma server host (server mode).")
@@ -157,10 +188,14 @@ class RetrievalConfig(Section):
     embedder_model: str = Field("intfloat/e5-base-v2", description="Hub id or local path for 'e5'.")
     embedder_device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
     embed_batch_size: int = Field(256, ge=1, description="Passages per embedding batch.")
+    embedding_cache: bool = Field(
+        False, description="Keep every text's vector on disk (under the cache folder) and never embed it twice, "
+        "across indexes, notebooks and processes. For small corpora (the smoke run); wiki-18's faiss build keeps "
+        "its own embedding shards.")
     add_batch_size: int = Field(4096, ge=1, description="Passages per chromadb add call.")
-    hnsw_ef_search: int = Field(128, ge=1, description="HNSW search breadth (recall vs speed).")
-    hnsw_ef_construction: int = Field(200, ge=1, description="HNSW build breadth.")
-    hnsw_max_neighbors: int = Field(32, ge=2, description="HNSW graph degree M.")
+    hnsw_ef_search: int = Field(128, ge=1, description="HNSW search breadth, chroma and faiss (recall vs speed).")
+    hnsw_ef_construction: int = Field(200, ge=1, description="HNSW build breadth, chroma and faiss.")
+    hnsw_max_neighbors: int = Field(32, ge=2, description="HNSW graph degree M (chroma; faiss: 'HNSW<M>').")
     top_k: int = Field(3, ge=1, description="Documents per query (Table 9).")
     max_result_tokens: int = Field(500, ge=1, description="Token budget of one search's results (Table 9).")
     timeout_s: float = Field(30.0, gt=0, description="HTTP timeout for a /retrieve or chroma server.")
@@ -182,10 +217,18 @@ class SelfPlayConfig(Section):
     challenger_prompts: int = Field(2000, ge=1, description="Challenger training prompts per iteration.")
     target_tasks: int = Field(5120, ge=1, description="Filtered tasks per iteration (256 x 20, App. G).")
     candidate_batch_size: int = Field(500, ge=1, description="Candidate tasks generated per batch (App. G).")
+    max_candidate_batches: int | None = Field(
+        None, ge=1, description="Stop the task pool after this many candidate batches even below target_tasks; "
+        "None = until the target is met or the documents run out (App. G).")
     tasks_per_document: int = Field(1, ge=1, description="At most this many tasks per source document.")
     document_max_tokens: int = Field(256, ge=16, description="Source documents are cut to this many tokens.")
     co_evolution: bool = Field(
-        True, description="True: Stage 1 uses the previous Solver S_{t-1}; False: always S_0 = M0.")
+        True, description="True: the Challenger co-evolves (Stage 1 every iteration, against S_{t-1}). False: "
+        "the §5 ablation: the Challenger is frozen at its iteration-1 checkpoint and the Solver keeps "
+        "training on fresh tasks from it.")
+    rollout_prompt_tokens: int = Field(
+        2048, ge=16, description="Rollout prompt length (Table 9): the rollout engine's cap on a rollout's "
+        "initial prompt; a prompt above min(this, the role's max_prompt_tokens) is not rolled out.")
     seed: int = Field(42, description="Base seed; per-iteration seeds derive from it.")
 
     @model_validator(mode="after")
@@ -212,6 +255,10 @@ class ChallengerConfig(Section):
     format_weight: float = Field(0.5, ge=0.0, description="lambda_fmt in eq. 4 (Table 9).")
     difficulty_weight: float = Field(1.0, ge=0.0, description="lambda_diff in eq. 4 (Table 9).")
     difficulty_target: float = Field(0.5, gt=0.0, lt=1.0, description="tau in eq. 5 (Table 9).")
+    reward_shape: Literal["tent", "rzero", "spice", "ssp"] = Field(
+        "tent", description="f_diff of eq. 4: 'tent' = eq. 5 (paper); 'rzero' = R-Zero's 1 - 2|g - 1/2| (equal to "
+        "the tent at tau = 0.5); 'spice' = SPICE's Gaussian on the variance, exp(-(g(1-g) - 1/4)^2 / 0.02); "
+        "'ssp' = Search Self-Play's 1 - g.")
     clip_low: float = Field(0.2, gt=0.0, description="epsilon (lower clip) in eq. 3.")
     clip_high: float = Field(0.2, gt=0.0, description="Upper clip range.")
 
@@ -221,8 +268,14 @@ class SolverConfig(Section):
 
     batch_size: int = Field(256, ge=1, description="Unique prompts per GRPO update (Table 9).")
     max_prompt_tokens: int = Field(2048, ge=16, description="Max prompt length (Table 9).")
-    max_turns: int = Field(5, ge=1, description="Assistant turns per rollout (§4.1).")
-    max_searches: int = Field(5, ge=0, description="Searches the Solver prompt allows.")
+    max_searches: int = Field(5, ge=0, description="Searches a Solver rollout may make (§4.1: up to 5).")
+    max_turns: int | None = Field(
+        None, ge=1, description="Assistant turns per rollout; None = max_searches + 1 (every search, then the "
+        "answer). More turns leave room to correct a malformed action; fewer is an error.")
+    prompt: Literal["paper", "long_form"] = Field(
+        "paper", description="Solver prompt: 'paper' = Figure 10 (answer 'without detailed illustrations'); "
+        "'long_form' asks for a complete answer in the form the task requests (the paper's wording conflicts "
+        "with long-form tasks, official-implementation facts §11.10).")
     max_new_tokens_per_turn: int = Field(8192, ge=1, description="Generation budget of one turn.")
     max_response_tokens: int = Field(8192, ge=1, description="Budget of all turns together (Table 9).")
     temperature: float = Field(1.0, ge=0.0, description="Rollout temperature in training.")
@@ -244,28 +297,66 @@ class SolverConfig(Section):
     def _limits(self) -> SolverConfig:
         if self.length_hard <= self.length_soft:
             raise ValueError(f"length_hard ({self.length_hard}) must exceed length_soft ({self.length_soft})")
+        if self.max_turns is not None and self.max_turns < self.max_searches + 1:
+            raise ValueError(f"max_turns ({self.max_turns}) must be at least max_searches + 1 "
+                             f"({self.max_searches + 1}): a Solver that uses every search needs a turn to answer")
         return self
+
+    @property
+    def turn_limit(self) -> int:
+        """Assistant turns a rollout may take: max_turns, or every search plus the answer."""
+        return self.max_turns if self.max_turns is not None else self.max_searches + 1
+
+
+#: LoRA learning rate when `grpo.learning_rate` is None: 10x the paper's full fine-tuning rate. "LoRA Without
+#: Regret" (Schulman et al., Thinking Machines, 2025) finds the best LoRA rate about 10x the full fine-tuning one.
+LORA_LEARNING_RATE = 1e-5
+#: The paper's rate (Table 9), for full fine-tuning.
+FULL_LEARNING_RATE = 1e-6
 
 
 class GRPOConfig(Section):
-    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer."""
+    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer (scope_lib/training.py)."""
 
-    learning_rate: float = Field(1e-6, gt=0.0, description="Learning rate (Table 9).")
-    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="LR warmup ratio (Table 9).")
+    learning_rate: float | None = Field(
+        None, gt=0.0, description="Learning rate; None = 1e-6 for full fine-tuning (Table 9) and 1e-5 for LoRA "
+        "(10x, the ratio 'LoRA Without Regret', Schulman et al. 2025, finds best).")
+    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="LR warmup ratio (Table 9); warmup steps = "
+                                "floor(ratio x steps), as verl computes it (0 for 20 steps).")
     lr_scheduler: Literal["constant_with_warmup", "cosine", "linear"] = Field(
         "constant_with_warmup", description="Schedule after warmup (the authors use constant).")
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clip (Table 9).")
     beta: float = Field(1e-3, ge=0.0, description="KL coefficient beta in eq. 3 (Table 9; k3 estimator).")
+    kl_importance_ratio: bool = Field(
+        False, description="Multiply the per-token k3 KL by the importance ratio (TRL's default); False = plain "
+        "k3, as the authors' verl (low_var_kl).")
+    dual_clip: float | None = Field(
+        3.0, gt=1.0, description="Dual-clip bound c on the ratio for negative advantages (verl clip_ratio_c, the "
+        "authors' 3.0); None = off.")
     group_size: int = Field(8, ge=2, description="G, rollouts per prompt (Table 9).")
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = Field(
         "dapo", description="Loss aggregation; 'dapo' = token mean over the batch (the authors' token-mean).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std (eq. 2).")
-    num_epochs: int = Field(1, ge=1, description="PPO epochs per batch.")
-    per_device_batch_size: int = Field(8, ge=1, description="Micro-batch of completions per device.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per update.")
+    num_epochs: int = Field(1, ge=1, description="PPO epochs per batch (the authors: 1).")
+    per_device_batch_size: int = Field(
+        2, ge=1, description="Micro-batch of rollouts per device; the gradient accumulation steps follow from "
+        "it: batch_size x G = per_device_batch_size x devices x accumulation. 2 rows of 10k tokens of an 8B "
+        "model take about 10 GiB of activations with checkpointing (`scope plan`).")
     gradient_checkpointing: bool = Field(True, description="Trade compute for memory.")
-    seed: int = Field(42, description="Trainer seed.")
+    seed: int = Field(42, description="Base seed of the trainers; each stage of each iteration derives its own.")
+    importance_sampling: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate", description="When rollouts come from a serving engine (vLLM) rather than the trained "
+        "model: correct for the gap between the two with this importance-sampling ratio (TRL's modes).")
+    importance_sampling_clip: float = Field(3.0, gt=1.0, description="Cap (truncate) or cut-off (mask) of that ratio.")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        [], description="Also log TRL's metrics there (off by default; metrics.jsonl is always written).")
+
+    def learning_rate_for(self, finetuning: str) -> float:
+        """The rate this run trains with: the configured one, or the mode's documented default."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return FULL_LEARNING_RATE if finetuning == "full" else LORA_LEARNING_RATE
 
 
 class EngineConfig(Section):
@@ -274,30 +365,133 @@ class EngineConfig(Section):
     backend: Backend = Field("vllm", description="Policy rollouts: 'hf' (CPU/GPU), 'vllm' (GPU), 'openai'.")
     judge_backend: Backend | None = Field(None, description="Judge engine; None = same as `backend`.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (hf backend).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads torch may use (torch.set_num_threads); None = torch's default. 1 for "
+        "tiny models: a 64-wide matmul gains nothing from threads and a busy second core makes them spin.")
+    max_batch_size: int | None = Field(
+        None, ge=1, description="hf backend: rows per model.generate call (a turn's batch is split into chunks of "
+        "this size, longest prompts first); None = the whole batch at once. Bounds the KV cache on a GPU.")
     base_url: str | None = Field(None, description="OpenAI-compatible server for the 'openai' backend.")
     judge_base_url: str | None = Field(None, description="Server for a served Judge; None = `base_url`.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
     concurrency: int = Field(32, ge=1, description="Requests in flight (openai backend).")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (openai backend).")
     max_retries: int = Field(3, ge=0, description="Retries with backoff for failed requests.")
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0, description="vLLM memory share.")
+    gpu_memory_utilization: float = Field(
+        0.6, gt=0.0, le=1.0, description="vLLM's share of the GPU (weights + KV cache); 0.6 leaves the trainer "
+        "room on one 80 GB GPU (`scope plan`).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
-    max_loras: int = Field(2, ge=1, description="vLLM adapters resident at once (Challenger, Solver).")
+    max_loras: int = Field(3, ge=1, description="vLLM adapters resident at once (Challenger, Solver, and the new "
+                           "version of the one being trained while the old one is still loaded).")
+    sleep_mode: bool = Field(True, description="vLLM sleeps (level 1) while the trainer steps on the same GPU and "
+                             "wakes before the next rollout.")
+
+
+#: The paper's 15 evaluation benchmarks (§4.1): 7 short-form QA (Table 3) and 8 open-ended (Table 2).
+BenchmarkName = Literal["nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle",
+                        "drb", "researchrubrics", "researchqa", "sqa_cs_v2", "researchplangen", "healthbench",
+                        "wildbench", "arena_hard_cw"]
+BENCHMARK_NAMES: tuple[str, ...] = BenchmarkName.__args__
+
+
+class EvalJudgeConfig(Section):
+    """One LLM judge that scores benchmark answers (§4.1)."""
+
+    model: str = Field(..., description="Judge model name as the endpoint knows it.")
+    temperature: float = Field(1.0, ge=0.0, description="Judge sampling temperature (§4.1: 1.0).")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="`reasoning_effort` sent to the endpoint; None = not sent.")
+    max_tokens: int = Field(16384, ge=1, description="Reply budget of one judge call.")
+
+
+#: Benchmark judges (§4.1). "paper": gpt-5.4-mini (T 1.0, reasoning high) for open-ended benchmarks and
+#: gpt-5-mini (T 1.0) for short-form QA. "authors_code": gpt-5-mini (T 1.0, no reasoning effort) for
+#: everything, as the authors' training scripts set it.
+EVAL_JUDGE_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "paper": {"open_ended_judge": {"model": "gpt-5.4-mini", "temperature": 1.0, "reasoning_effort": "high"},
+              "short_form_judge": {"model": "gpt-5-mini", "temperature": 1.0}},
+    "authors_code": {"open_ended_judge": {"model": "gpt-5-mini", "temperature": 1.0},
+                     "short_form_judge": {"model": "gpt-5-mini", "temperature": 1.0}},
+}
 
 
 class EvaluationConfig(Section):
-    """Evaluation (§4.1): benchmarks, the LLM judge that scores them, decoding."""
+    """Evaluation (§4.1): benchmarks, the LLM judges that score them, the Solver's decoding and budgets."""
 
-    benchmarks: list[str] = Field(["nq", "hotpotqa"], description="Benchmark names from the registry.")
+    benchmarks: list[BenchmarkName] = Field(
+        list(BENCHMARK_NAMES), description="Benchmarks `scope eval` runs (§4.1: all 15).")
+    checkpoints: list[str] = Field(
+        ["base"], description="Checkpoints `scope eval` evaluates: 'base' (M0), 'iter_NN/solver' or a path.")
     max_examples: int = Field(1000, ge=1, description="Subsample benchmarks above this size (§4.1).")
-    judge_model: str = Field("gpt-5-mini", description="LLM judge for scoring (§4.1).")
-    judge_base_url: str | None = Field(None, description="OpenAI-compatible endpoint of the scoring judge.")
-    judge_temperature: float = Field(1.0, ge=0.0, description="Scoring judge temperature (§4.1).")
-    temperature: float = Field(1.0, ge=0.0, description="Solver decoding temperature (Qwen3: 1.0; others 0).")
-    max_turns: int = Field(5, ge=1, description="Search turns per task (§4.1).")
+    sample_method: Literal["scope_sorted", "drtulu_shuffle_head", "simple_evals"] = Field(
+        "scope_sorted", description="Subsampler: Random(seed).sample sorted back (authors' code), DR Tulu's "
+        "shuffle-then-head, or simple-evals' Random(0).sample.")
+    sample_seed: int = Field(42, description="Subsampling seed (the authors' code: 42).")
+    data_files: dict[str, str | list[str]] = Field(
+        {}, description="Local source file per benchmark (relative paths are under the data dir); "
+        "benchmarks not listed are read from <data dir>/benchmarks/<name>/ or downloaded there.")
+    scorers: list[Literal["scope_paper", "official"]] = Field(
+        ["scope_paper", "official"], description="scope_paper: the paper's protocol (compare with Tables "
+        "2-3); official: each benchmark's own metric.")
+    judge_preset: Literal["paper", "authors_code"] = Field(
+        "paper", description="Default judges: the paper's (§4.1) or the authors' code's (gpt-5-mini for "
+        "all); judges set explicitly below win.")
+    open_ended_judge: EvalJudgeConfig = Field(
+        default_factory=lambda: EvalJudgeConfig(**EVAL_JUDGE_PRESETS["paper"]["open_ended_judge"]),
+        description="Judge of the open-ended benchmarks (§4.1: gpt-5.4-mini, T 1.0, reasoning high).")
+    short_form_judge: EvalJudgeConfig = Field(
+        default_factory=lambda: EvalJudgeConfig(**EVAL_JUDGE_PRESETS["paper"]["short_form_judge"]),
+        description="Judge of the short-form QA benchmarks (§4.1: gpt-5-mini, T 1.0).")
+    benchmark_judges: dict[str, EvalJudgeConfig] = Field(
+        {}, description="Per-benchmark judge overrides, e.g. {healthbench: {model: gpt-4.1, temperature: 0.5}}.")
+    judge_backend: Literal["openai", "local"] = Field(
+        "openai", description="'openai': any /v1/chat/completions endpoint; 'local': the run's own engine "
+        "(offline smoke runs).")
+    judge_base_url: str | None = Field(None, description="Judge endpoint; None = https://api.openai.com.")
+    judge_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the judge's key.")
+    judge_token_field: Literal["max_completion_tokens", "max_tokens"] = Field(
+        "max_completion_tokens", description="Request field for the reply budget (OpenAI reasoning models "
+        "need max_completion_tokens; `transformers serve` takes max_tokens).")
+    judge_concurrency: int = Field(16, ge=1, description="Judge requests in flight.")
+    judge_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout of the judge.")
+    judge_max_retries: int = Field(5, ge=0, description="Retries with backoff for failed judge requests.")
+    judge_parse_retries: int = Field(2, ge=0, description="New samples asked for an unparseable judge reply.")
+    judge_invalid: Literal["drop", "worst"] = Field(
+        "drop", description="A judge unit still unparseable after retries: dropped from the score, or given "
+        "the outcome worst for the answer. Counted and reported either way.")
+    judge_cache: bool = Field(True, description="Cache judge replies on disk keyed by the full request.")
+    judge_prices: dict[str, tuple[float, float]] = Field(
+        {}, description="USD per million (input, output) tokens per judge model, for cost accounting.")
+    temperature: float | None = Field(
+        None, ge=0.0, description="Solver decoding temperature; None = the paper's (§4.1: Qwen3 1.0, "
+        "others greedy).")
+    max_searches: int = Field(5, ge=0, description="Search turns per task (§4.1); the Solver gets one more "
+                              "turn to answer.")
     max_answer_tokens: int = Field(16384, ge=1, description="Answer budget (§4.1).")
     context_tokens: int = Field(24576, ge=1, description="Context window (§4.1).")
+    seeds: list[int] = Field([0], min_length=1, description="Decoding seeds; one trajectory per item and seed.")
+    force_answer: int = Field(
+        0, ge=0, description="Nudges to answer when a rollout ends without <answer> (the authors' code: 5; "
+        "the paper: none).")
+    rollout_batch_size: int = Field(256, ge=1, description="Items rolled out together (one engine call per turn).")
+    bootstrap_samples: int = Field(1000, ge=0, description="Bootstrap resamples for confidence intervals.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        """The preset's judges under whatever the file sets explicitly (a partial judge keeps the rest of
+        the preset's values: overriding the model alone keeps reasoning_effort)."""
+        if not isinstance(data, dict) or data.get("judge_preset", "paper") not in EVAL_JUDGE_PRESETS:
+            return data
+        data = dict(data)
+        for key, preset in EVAL_JUDGE_PRESETS[data.get("judge_preset", "paper")].items():
+            given = data.get(key)
+            if given is None:
+                data[key] = dict(preset)
+            elif isinstance(given, dict):
+                data[key] = {**preset, **given}
+        return data
 
 
 class RunConfig(Section):

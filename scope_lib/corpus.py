@@ -12,6 +12,7 @@ The full wiki-18 is 21M lines (14 GB): `iter_passages` streams it line by line f
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import itertools
@@ -31,6 +32,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 import httpx
+import numpy as np
 from tqdm.auto import tqdm
 
 if TYPE_CHECKING:
@@ -312,6 +314,28 @@ def permutation_slice(n_total: int, n: int, seed: int, index: int) -> list[int]:
         log.warning("corpus has %d documents but slice %d of %d needs positions %d..%d: wrapping around, "
                     "documents repeat", n_total, index, n, start, start + n - 1)
     return [order[(start + j) % n_total] for j in range(n)]
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n_total: int, seed: int) -> np.ndarray:
+    """One fixed permutation of 0..n_total-1 per seed (cached: a run asks for many ranges of it)."""
+    return np.random.default_rng(seed).permutation(n_total)
+
+
+def document_range(passages: Sequence[Passage], start: int, n: int, seed: int) -> list[Passage]:
+    """Documents at positions start..start+n-1 of the run's one seeded permutation of the corpus.
+
+    Self-play hands out consecutive ranges (Stage 1 prompts, then Stage 2 candidate batches, iteration after
+    iteration), so no document is used twice until the corpus runs out; then the ranges wrap (logged)."""
+    if start < 0 or n < 0:
+        raise ValueError(f"start and n must be >= 0, got start={start}, n={n}")
+    if not passages:
+        raise ValueError("cannot sample from an empty corpus")
+    order = _permutation(len(passages), seed)
+    if start + n > len(order):
+        log.warning("corpus has %d documents but positions %d..%d were asked for: wrapping around, documents "
+                    "repeat", len(order), start, start + n - 1)
+    return [passages[int(order[(start + j) % len(order)])] for j in range(n)]
 
 
 def sample_documents(passages: Sequence[Passage], n: int, seed: int, iteration: int, *,

@@ -115,16 +115,20 @@ class Dialect:
     def render_history(self, messages: list[dict[str, str]], keep_last: bool = True) -> list[dict[str, str]]:
         """Messages as the model sees them at inference: Qwen3 drops thinking from earlier assistant turns
         (App. E). With keep_last the final assistant turn (the one being trained on) keeps its thinking."""
+        messages = [{**m, "content": m.get("content") if isinstance(m.get("content"), str) else ""}
+                    for m in messages]  # a message without text content renders as empty, never raises
         if not self.strips_earlier_thinking:
             return messages
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         keep = assistant[-1] if keep_last and assistant else -1
-        return [{**m, "content": strip_thinking(m["content"])} if m["role"] == "assistant" and i != keep else m
-                for i, m in enumerate(messages)]
+        return [{**m, "content": strip_thinking(m["content"])} if m.get("role") == "assistant" and i != keep
+                else m for i, m in enumerate(messages)]
 
 
-def strip_thinking(text: str) -> str:
-    """Drop complete <think> blocks and a thinking prefix that ends in a lone </think>."""
+def strip_thinking(text: Any) -> str:
+    """Drop complete <think> blocks and a thinking prefix that ends in a lone </think>; non-text gives ""."""
+    if not isinstance(text, str):
+        return ""
     text = _THINK_BLOCK.sub("", text)
     if "</think>" in text and "<think>" not in text:
         text = text.split("</think>", 1)[1]
@@ -225,3 +229,12 @@ def get_dialect(name: str, model_name: str = "") -> Dialect:
     if key not in DIALECTS:
         raise ValueError(f"unknown dialect {name!r}; choose one of auto, {', '.join(DIALECTS)}")
     return DIALECTS[key]
+
+
+def thinks_natively(model_name: str) -> bool:
+    """Whether a model writes its own <think> blocks without being asked: Qwen3 (but not its 2507
+    Instruct releases) and models named as thinking variants (e.g. OLMo-3-7B-Think). 'tiny' does not."""
+    name = str(model_name).lower()
+    if "instruct-2507" in name:
+        return False
+    return "qwen3" in name or "think" in name

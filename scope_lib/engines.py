@@ -21,12 +21,16 @@ Contract, the same for every engine (the rollout code relies on it):
   log_softmax(logits / temperature) (raw logits when temperature == 0), the quantity TRL's GRPO computes.
   None when `Sampling.logprobs` is False (or the server returns none).
 - `calls` counts `generate()` calls: one per rollout turn or Judge stage, whatever the batch size.
+- Every request is capped per prompt at what fits the context: at most `max_model_len - len(prompt)` new
+  tokens (`fit_budgets`). A prompt that leaves no room gets an empty completion with finish "length"; a
+  served model is never sent a request it must reject.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -141,6 +145,122 @@ def _strip_eos(ids: list[int], logprobs: list[float] | None, eos: set[int]):
     return ids, logprobs, False
 
 
+def fit_budgets(prompt_token_ids: list[list[int]], max_new_tokens: int, max_model_len: int | None) -> list[int]:
+    """Per prompt, the new tokens that fit: min(max_new_tokens, max_model_len - len(prompt)), never below 0.
+    A batch asks for its largest budget; a long prompt in it must not be sent more than its context holds."""
+    if max_model_len is None:
+        return [max_new_tokens] * len(prompt_token_ids)
+    return [max(0, min(max_new_tokens, max_model_len - len(p))) for p in prompt_token_ids]
+
+
+def _no_room() -> Completion:
+    """The completion of a prompt that already fills the context: nothing sampled."""
+    return Completion(token_ids=[], text="", logprobs=[], finish_reason="length")
+
+
+def _model_len(model) -> int | None:
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
+# -- secrets ----------------------------------------------------------------------------------------
+
+_SECRET_PATTERNS = (
+    re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{6,}"),
+    re.compile(r"(?i)((?:api[-_]?key|authorization|x-api-key|access[-_]?token)[\"']?\s*[:=]\s*[\"']?)"
+               r"(?:bearer\s+)?[^\s\"',;}]{6,}"),
+    re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"),
+)
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """`text` with credentials replaced by "***": the given secrets (e.g. the API key) wherever they appear,
+    and anything shaped like a bearer token, an api-key/authorization header or an `sk-` key. Every error
+    message and log line of the HTTP engine goes through it, so a server that echoes request headers cannot
+    leak the key into logs or executed notebooks."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + "***", text)
+    return text
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP date); None when absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return None
+    return max(0.0, seconds)
+
+
+def backoff_s(attempt: int, base_s: float, max_wait_s: float, response=None) -> float:
+    """Wait before retry `attempt` (0 = the first retry): exponential from `base_s`, four times longer after
+    HTTP 429 (a rate limit clears slower than a restart), never shorter than the server's Retry-After, at most
+    `max_wait_s`."""
+    factor = 4.0 if response is not None and response.status_code == 429 else 1.0
+    delay = base_s * factor * 2 ** attempt
+    hinted = retry_after_s(response.headers.get("retry-after")) if response is not None else None
+    return min(max(delay, hinted or 0.0), max_wait_s)
+
+
+class RetriesExhausted(RuntimeError):
+    """Every attempt failed with a retryable error; `last` says what the last one was (credentials redacted)."""
+
+    def __init__(self, last: str):
+        super().__init__(last)
+        self.last = last
+
+
+def post_with_retries(client, url: str, body: dict[str, Any], *, max_retries: int, base_s: float,
+                      max_wait_s: float, secrets: Iterable[str] = (), abort: threading.Event | None = None,
+                      aborted: type[Exception] = RuntimeError):
+    """POST `body` as JSON until the server gives an answer that retrying cannot change: returns (status,
+    JSON payload or None, text) for a 2xx with a JSON body or any 4xx but 429. Connection errors, timeouts,
+    429, 5xx and 2xx bodies that are not JSON are retried with `backoff_s`; then RetriesExhausted. `abort` (set
+    when another request of the batch failed) stops early with `aborted`."""
+    import httpx
+
+    last, delay = "", 0.0
+    for attempt in range(max_retries + 1):
+        if abort is not None and abort.is_set():
+            raise aborted(f"{url}: batch aborted after another request failed")
+        if attempt:
+            time.sleep(delay)
+        try:
+            response = client.post(url, json=body)
+        except httpx.TransportError as exc:
+            last, delay = f"{type(exc).__name__}: {exc}", backoff_s(attempt, base_s, max_wait_s)
+            continue
+        status = response.status_code
+        if status == 429 or status >= 500:
+            last, delay = f"HTTP {status}: {response.text[:300]}", backoff_s(attempt, base_s, max_wait_s, response)
+            log.info("%s: %s; retrying in %.1f s", url, redact(last[:120], secrets), delay)
+            continue
+        if status >= 400:
+            return status, None, response.text
+        try:
+            return status, response.json(), response.text
+        except ValueError:
+            last, delay = f"reply is not JSON: {response.text[:200]!r}", backoff_s(attempt, base_s, max_wait_s)
+    raise RetriesExhausted(redact(last, secrets))
+
+
 # -- HF transformers -------------------------------------------------------------------------------
 
 
@@ -199,13 +319,14 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, device: str | None = None, max_batch_size: int | None = None,
-                 eos_token_ids: Iterable[int] | None = None):
+                 eos_token_ids: Iterable[int] | None = None, max_model_len: int | None = None):
         import torch
 
         if device is not None:
             model.to(device)
         self.model = model
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or _model_len(model)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.eos_token_ids = _eos_ids(tokenizer, model, eos_token_ids)
@@ -224,10 +345,11 @@ class HFEngine:
             return []
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("HFEngine.generate: every prompt needs at least one token")
-        order = sorted(range(len(prompt_token_ids)), key=lambda i: -len(prompt_token_ids[i]))
-        size = self.max_batch_size or len(order)
+        budgets = fit_budgets(prompt_token_ids, sampling.max_new_tokens, self.max_model_len)
+        results: list[Completion | None] = [None if b else _no_room() for b in budgets]
+        order = sorted((i for i, b in enumerate(budgets) if b), key=lambda i: -len(prompt_token_ids[i]))
+        size = self.max_batch_size or max(1, len(order))
         chunks = [order[i:i + size] for i in range(0, len(order), size)]
-        results: list[Completion | None] = [None] * len(prompt_token_ids)
         devices = ([self.device.index if self.device.index is not None else torch.cuda.current_device()]
                    if self.device.type == "cuda" else [])
         was_training = self.model.training
@@ -240,7 +362,8 @@ class HFEngine:
             self.model.eval()
             try:
                 for chunk in chunks:
-                    completions = self._generate_chunk([prompt_token_ids[i] for i in chunk], sampling)
+                    completions = self._generate_chunk([prompt_token_ids[i] for i in chunk],
+                                                       [budgets[i] for i in chunk], sampling)
                     for i, completion in zip(chunk, completions, strict=True):
                         results[i] = completion
             finally:
@@ -248,7 +371,7 @@ class HFEngine:
         return [r for r in results if r is not None]
 
     # -- internals ---------------------------------------------------------------------------------
-    def _generate_chunk(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], budgets: list[int], sampling: Sampling) -> list[Completion]:
         import torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
@@ -260,7 +383,7 @@ class HFEngine:
             attention_mask[row, width - len(prompt):] = 1
         greedy = sampling.temperature == 0
         config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens,
+            max_new_tokens=max(budgets),
             do_sample=not greedy,
             temperature=1.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p,
@@ -287,7 +410,8 @@ class HFEngine:
         step_logprobs = recorder.finish(generated[:, -1]) if recorder is not None and generated.shape[1] else None
         generated_rows = generated.tolist()
         logprob_rows = step_logprobs.tolist() if step_logprobs is not None else None
-        return [self._completion(ids, logprob_rows[row] if logprob_rows is not None else None, sampling)
+        return [self._completion(ids[:budgets[row]],
+                                 logprob_rows[row][:budgets[row]] if logprob_rows is not None else None, sampling)
                 for row, ids in enumerate(generated_rows)]
 
     def _stop_criteria(self, stops: tuple[str, ...]):
@@ -368,6 +492,11 @@ class VLLMEngine:
     (after temperature, like TRL's colocate mode), so they follow the same definition as HFEngine's.
 
     Each prompt gets its own seed (`seed + i`), so the G copies of a prompt in a GRPO group differ.
+
+    Sharing one GPU with the trainer: `sleep()` (level 1 offloads the weights to CPU memory and frees the KV
+    cache; the base never changes, so nothing is re-sent) while the trainer steps, `wake_up()` before the next
+    rollout; `generate` wakes a sleeping engine itself. `llm` takes an existing engine (e.g. Unsloth's
+    `fast_inference` one, which shares the trainer's weights) instead of building one.
     """
 
     name = "vllm"
@@ -376,19 +505,24 @@ class VLLMEngine:
                  max_lora_rank: int = 64, enable_prefix_caching: bool = True,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, seed: int = 0, dtype: str = "auto",
-                 eos_token_ids: Iterable[int] | None = None, **llm_kwargs: Any):
-        try:
-            import vllm
-        except ImportError as exc:
-            raise ImportError(_VLLM_MISSING) from exc
-        kwargs: dict[str, Any] = dict(
-            model=str(model), enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, seed=seed, dtype=dtype, logprobs_mode="processed_logprobs")
-        if enable_lora:
-            kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        kwargs.update(llm_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+                 eos_token_ids: Iterable[int] | None = None, enable_sleep_mode: bool = False, llm: Any = None,
+                 **llm_kwargs: Any):
+        if llm is None:
+            try:
+                import vllm
+            except ImportError as exc:
+                raise ImportError(_VLLM_MISSING) from exc
+            kwargs: dict[str, Any] = dict(
+                model=str(model), enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len, seed=seed, dtype=dtype, logprobs_mode="processed_logprobs",
+                enable_sleep_mode=enable_sleep_mode)
+            if enable_lora:
+                kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+            kwargs.update(llm_kwargs)
+            llm = vllm.LLM(**kwargs)
+        self.llm = llm
+        self.sleeping = False
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -406,6 +540,7 @@ class VLLMEngine:
             self.eos_token_ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         self._adapters: dict[str, tuple[int, str]] = {}
         self._next_adapter_id = 1
+        self.max_model_len = max_model_len or self.llm.llm_engine.model_config.max_model_len
         self.calls = 0
 
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:
@@ -415,6 +550,24 @@ class VLLMEngine:
         self._adapters[name] = (self._next_adapter_id, str(path))
         self._next_adapter_id += 1
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU for the trainer: level 1 keeps the weights in CPU memory (the base never changes)."""
+        if not self.sleeping:
+            self.llm.sleep(level=level)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # hand back what the trainer freed before vLLM claims its share
+            except ImportError:
+                pass
+            self.llm.wake_up()
+            self.sleeping = False
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling,
                  adapter: str | None = None) -> list[Completion]:
         from vllm import SamplingParams
@@ -423,6 +576,7 @@ class VLLMEngine:
         self.calls += 1
         if not prompt_token_ids:
             return []
+        self.wake_up()
         lora = None
         if adapter is not None:
             if adapter not in self._adapters:
@@ -432,16 +586,18 @@ class VLLMEngine:
 
             adapter_id, path = self._adapters[adapter]
             lora = LoRARequest(adapter, adapter_id, path)
+        budgets = fit_budgets(prompt_token_ids, sampling.max_new_tokens, self.max_model_len)
+        todo = [i for i, b in enumerate(budgets) if b]
         params = [SamplingParams(
-            max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            max_tokens=budgets[i], temperature=sampling.temperature, top_p=sampling.top_p,
             stop=list(sampling.stop) or None, include_stop_str_in_output=True,
             logprobs=0 if sampling.logprobs else None, skip_special_tokens=False,
             seed=None if sampling.seed is None else sampling.seed + i)
-            for i in range(len(prompt_token_ids))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params,
-                                    lora_request=lora, use_tqdm=False)
-        completions = []
-        for out in outputs:
+            for i in todo]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_token_ids[i])) for i in todo],
+                                    params, lora_request=lora, use_tqdm=False) if todo else []
+        completions: list[Completion] = [_no_room() for _ in prompt_token_ids]
+        for i, out in zip(todo, outputs, strict=True):
             sample = out.outputs[0]
             ids = list(sample.token_ids)
             logprobs = None
@@ -454,8 +610,8 @@ class VLLMEngine:
                 finish = "stop"
             else:
                 finish = "eos"
-            completions.append(Completion(token_ids=ids, text=self.tokenizer.decode(ids), logprobs=logprobs,
-                                          finish_reason=finish))
+            completions[i] = Completion(token_ids=ids, text=self.tokenizer.decode(ids), logprobs=logprobs,
+                                        finish_reason=finish)
         return completions
 
 
@@ -476,19 +632,23 @@ class OpenAIEngine:
         fields or token prompts, e.g. `transformers serve`). When the reply carries no token ids, its text is
         tokenised here: the one place in the package where model output is re-tokenised, because the server
         returned only text. Logprobs are then dropped (they would not align with the re-tokenised ids).
-      - "auto": the first request tries "tokens"; a 400/422 reply switches to "text" for good.
+      - "auto": the first request tries "tokens"; when the server rejects it (400/422) but accepts the same
+        request as text, "text" is used for good. A request rejected either way raises.
 
     `adapter` becomes the request's `model` (vLLM serves LoRA adapters under their names, `--lora-modules`).
     Requests run concurrently on a thread pool (safe inside Jupyter's running event loop); connection errors,
-    timeouts, 429 and 5xx are retried with exponential backoff, then raise EngineUnavailable. Each prompt gets
-    the seed `seed + i`, so the G copies of a prompt in a GRPO group differ.
+    timeouts, 429 and 5xx are retried with exponential backoff (longer after 429, never shorter than the
+    server's Retry-After), then raise EngineUnavailable. Each request asks for at most what fits the context
+    (`max_model_len`). Credentials are redacted from every error and log line. Each prompt gets the seed
+    `seed + i`, so the G copies of a prompt in a GRPO group differ.
     """
 
     name = "openai"
 
     def __init__(self, base_url: str, model: str, tokenizer, api_key: str | None = None, concurrency: int = 32,
                  timeout_s: float = 600.0, max_retries: int = 3, prompt_format: PromptFormat = "auto",
-                 backoff_s: float = 1.0, eos_token_ids: Iterable[int] | None = None):
+                 backoff_s: float = 1.0, eos_token_ids: Iterable[int] | None = None,
+                 max_model_len: int | None = None, max_wait_s: float = 120.0):
         import httpx
 
         if prompt_format not in ("auto", "tokens", "text"):
@@ -504,6 +664,11 @@ class OpenAIEngine:
         self.backoff_s = backoff_s
         self.prompt_format: PromptFormat = prompt_format
         self.eos_token_ids = _eos_ids(tokenizer, None, eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_wait_s = max_wait_s
+        self._secrets = [api_key] if api_key else []
+        self._adapter_names: dict[str, str] = {}
+        self._adapter_count = 0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
                                     limits=httpx.Limits(max_connections=concurrency,
@@ -513,6 +678,37 @@ class OpenAIEngine:
 
     def close(self) -> None:
         self._client.close()
+
+    def add_adapter(self, name: str, path: str | os.PathLike, version: str | int | None = None) -> str:
+        """Load a LoRA adapter folder into the server at run time (`vllm serve --enable-lora` with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) under a new versioned name, then unload the version it replaces;
+        `generate(adapter=name)` uses the newest version. Returns the served name."""
+        if not Path(path, "adapter_config.json").is_file():
+            raise FileNotFoundError(f"{path}: no adapter_config.json; save the adapter with save_pretrained")
+        self._adapter_count += 1
+        served = f"{name}@{version if version is not None else self._adapter_count}"
+        self._admin("load_lora_adapter", {"lora_name": served, "lora_path": str(Path(path).resolve())})
+        previous = self._adapter_names.get(name)
+        self._adapter_names[name] = served
+        if previous and previous != served:
+            try:
+                self._admin("unload_lora_adapter", {"lora_name": previous})
+            except EngineRequestError as exc:  # the new version is live; an old one left loaded costs a slot
+                log.warning("%s: could not unload %s: %s", self.base_url, previous, redact(str(exc), self._secrets))
+        return served
+
+    def _admin(self, route: str, body: dict[str, Any]) -> None:
+        import httpx
+
+        url = f"{self.base_url}/v1/{route}"
+        try:
+            response = self._client.post(url, json=body)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(redact(f"{url}: {type(exc).__name__}: {exc}", self._secrets)) from None
+        if response.status_code >= 400:
+            raise EngineRequestError(redact(f"{url}: HTTP {response.status_code}: {response.text[:300]} (start the "
+                                            "server with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+                                            self._secrets), status=response.status_code)
 
     def __enter__(self) -> OpenAIEngine:
         return self
@@ -524,49 +720,57 @@ class OpenAIEngine:
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling,
                  adapter: str | None = None) -> list[Completion]:
         self.calls += 1
-        n = len(prompt_token_ids)
-        if n == 0:
-            return []
-        results: list[Completion | None] = [None] * n
-        start = 0
-        if self.prompt_format == "auto":  # probe with the first prompt, then run the rest concurrently
-            results[0] = self._probe(prompt_token_ids[0], sampling, adapter)
-            start = 1
-        abort = threading.Event()
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, n - start))) as pool:
-            futures = {pool.submit(self._one, prompt_token_ids[i], sampling, adapter, i, abort): i
-                       for i in range(start, n)}
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                abort.set()
-                for f in pending:
-                    f.cancel()
-                raise failed[0].exception()
-            for f, i in futures.items():
-                results[i] = f.result()
+        budgets = fit_budgets(prompt_token_ids, sampling.max_new_tokens, self.max_model_len)
+        results: list[Completion | None] = [None if b else _no_room() for b in budgets]
+        todo = [i for i, b in enumerate(budgets) if b]
+        if todo and self.prompt_format == "auto":  # probe with one prompt, then run the rest concurrently
+            first = todo.pop(0)
+            results[first] = self._probe(prompt_token_ids[first], budgets[first], sampling, adapter, first)
+        if todo:
+            abort = threading.Event()
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(todo))) as pool:
+                futures = {pool.submit(self._one, prompt_token_ids[i], budgets[i], sampling, adapter, i, abort): i
+                           for i in todo}
+                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                failed = [f for f in done if f.exception() is not None]
+                if failed:
+                    abort.set()
+                    for f in pending:
+                        f.cancel()
+                    raise failed[0].exception()
+                for f, i in futures.items():
+                    results[i] = f.result()
         return [r for r in results if r is not None]
 
     # -- internals ---------------------------------------------------------------------------------
-    def _probe(self, prompt: list[int], sampling: Sampling, adapter: str | None) -> Completion:
+    def _probe(self, prompt: list[int], budget: int, sampling: Sampling, adapter: str | None,
+               index: int) -> Completion:
+        """Try token-id prompts; fall back to text only when the server rejects token prompts and accepts the
+        same request as text. A request that fails either way (e.g. a context-length 400) raises and leaves
+        the format undecided."""
         try:
-            completion = self._one(prompt, sampling, adapter, 0, None, fmt="tokens")
+            completion = self._one(prompt, budget, sampling, adapter, index, None, fmt="tokens")
         except EngineRequestError as exc:
             if exc.status not in (400, 422):
                 raise
-            log.info("%s rejected token-id prompts (%s); sending text prompts from now on", self.url, exc)
+            try:
+                completion = self._one(prompt, budget, sampling, adapter, index, None, fmt="text")
+            except EngineRequestError:
+                raise exc from None
+            log.info("%s rejected token-id prompts (%s); sending text prompts from now on", self.url,
+                     redact(str(exc), self._secrets))
             with self._format_lock:
                 self.prompt_format = "text"
-            return self._one(prompt, sampling, adapter, 0, None)
+            return completion
         with self._format_lock:
             self.prompt_format = "tokens"
         return completion
 
-    def _body(self, prompt: list[int], sampling: Sampling, adapter: str | None, index: int,
+    def _body(self, prompt: list[int], budget: int, sampling: Sampling, adapter: str | None, index: int,
               fmt: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": adapter or self.model,
-            "max_tokens": sampling.max_new_tokens,
+            "model": self._adapter_names.get(adapter, adapter) if adapter else self.model,
+            "max_tokens": budget,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
         }
@@ -583,44 +787,32 @@ class OpenAIEngine:
             body["prompt"] = self.tokenizer.decode(prompt)
         return body
 
-    def _one(self, prompt: list[int], sampling: Sampling, adapter: str | None, index: int,
+    def _one(self, prompt: list[int], budget: int, sampling: Sampling, adapter: str | None, index: int,
              abort: threading.Event | None, fmt: str | None = None) -> Completion:
         fmt = fmt or self.prompt_format
-        reply = self._post(self._body(prompt, sampling, adapter, index, fmt), abort)
+        reply = self._post(self._body(prompt, budget, sampling, adapter, index, fmt), abort)
         try:
             choice = reply["choices"][0]
         except (KeyError, IndexError, TypeError):
-            raise EngineRequestError(f"{self.url}: reply has no choices: {str(reply)[:300]}") from None
+            raise EngineRequestError(redact(f"{self.url}: reply has no choices: {str(reply)[:300]}",
+                                            self._secrets)) from None
         return self._completion(choice, sampling, fmt)
 
     def _post(self, body: dict[str, Any], abort: threading.Event | None) -> dict[str, Any]:
-        import httpx
-
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if abort is not None and abort.is_set():
-                raise EngineUnavailable(f"{self.url}: batch aborted after another request failed")
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                response = self._client.post(self.url, json=body)
-            except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code == 429 or response.status_code >= 500:
-                last = f"HTTP {response.status_code}: {response.text[:300]}"
-                continue
-            if response.status_code >= 400:
-                raise EngineRequestError(f"{self.url}: HTTP {response.status_code} for model {body['model']!r}: "
-                                         f"{response.text[:500]}", status=response.status_code)
-            try:
-                return response.json()
-            except ValueError:
-                last = f"reply is not JSON: {response.text[:200]!r}"
-        raise EngineUnavailable(
-            f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {last}. Check that "
-            f"the server is running and reachable at {self.base_url} (e.g. `curl {self.base_url}/v1/models`), "
-            f"that it serves model {body['model']!r}, and engine.base_url / engine.judge_base_url in the params.")
+        try:
+            status, payload, text = post_with_retries(
+                self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
+                max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, aborted=EngineUnavailable)
+        except RetriesExhausted as exc:
+            raise EngineUnavailable(redact(
+                f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {exc.last}. "
+                f"Check that the server is running and reachable at {self.base_url} (e.g. `curl "
+                f"{self.base_url}/v1/models`), that it serves model {body['model']!r}, and engine.base_url / "
+                "engine.judge_base_url in the params.", self._secrets)) from None
+        if payload is None:
+            raise EngineRequestError(redact(f"{self.url}: HTTP {status} for model {body['model']!r}: {text[:500]}",
+                                            self._secrets), status=status)
+        return payload
 
     def _completion(self, choice: dict[str, Any], sampling: Sampling, fmt: str) -> Completion:
         text = choice.get("text") or ""
@@ -655,6 +847,14 @@ class OpenAIEngine:
 
 
 # -- factory ---------------------------------------------------------------------------------------
+
+
+def apply_torch_threads(params: Params) -> None:
+    """`engine.torch_threads`: how many CPU threads torch uses in this process (notebooks, `scope` commands)."""
+    if params.engine.torch_threads:
+        import torch
+
+        torch.set_num_threads(params.engine.torch_threads)
 
 Role = Literal["policy", "judge"]
 
@@ -708,14 +908,16 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
             tokenizer = tokenizer or loaded_tokenizer
         if tokenizer is None:
             raise ValueError("make_engine(backend='hf'): pass the tokenizer together with the model")
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, max_model_len=params.model.max_model_len,
+                        max_batch_size=cfg.max_batch_size)
     if backend == "vllm":
         return VLLMEngine(
             model_source(params, role, name), tokenizer=tokenizer,
             enable_lora=role == "policy" and params.model.finetuning == "lora", max_loras=cfg.max_loras,
             max_lora_rank=params.model.lora_rank, enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=params.model.max_model_len, seed=params.selfplay.seed, dtype=params.model.dtype)
+            max_model_len=params.model.max_model_len, seed=params.selfplay.seed, dtype=params.model.dtype,
+            enable_sleep_mode=cfg.sleep_mode)
     if backend == "openai":
         url = cfg.base_url if role == "policy" else (cfg.judge_base_url or cfg.base_url)
         key = "engine.base_url" if role == "policy" else "engine.judge_base_url (or engine.base_url)"
@@ -726,5 +928,6 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
             tokenizer = load_tokenizer(params, role)
         return OpenAIEngine(url, model_source(params, role, name), tokenizer,
                             api_key=os.environ.get(cfg.api_key_env), concurrency=cfg.concurrency,
-                            timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+                            timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
+                            max_model_len=params.model.max_model_len)
     raise ValueError(f"unknown engine backend {backend!r}; choose hf, vllm or openai")

@@ -33,6 +33,9 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     _report_figures()
     loaded = load_params(params, overrides or [])
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
+    from scope_lib.engines import apply_torch_threads
+
+    apply_torch_threads(loaded)
     return loaded
 
 
@@ -66,7 +69,7 @@ def components(params: Params) -> Components:
     from scope_lib.corpus import read_corpus
     from scope_lib.dialects import get_dialect
     from scope_lib.engines import make_engine
-    from scope_lib.judge import Judge
+    from scope_lib.judge import make_judge
     from scope_lib.retrieval import open_retriever
 
     r = params.retrieval
@@ -74,19 +77,17 @@ def components(params: Params) -> Components:
     retriever = open_retriever(params)
     dialect = get_dialect(params.model.dialect, params.model.base)
     policy = make_engine(params, "policy")
-    engines = {params.model.base: policy}
+    same_backend = (params.engine.judge_backend or params.engine.backend) == params.engine.backend
+    judges: dict[str, Any] = {}
 
-    def engine_for(name: str | None):
-        name = name or params.judge.model or params.model.base
-        same_backend = (params.engine.judge_backend or params.engine.backend) == params.engine.backend
-        if name not in engines or not same_backend:
-            engines[name] = make_engine(params, "judge", name=name)
-        return engines[name]
+    def engine_for(name: str):
+        if same_backend and name == params.model.base:
+            return policy          # the Judge is M0: the policy engine with adapters off
+        if name not in judges:
+            judges[name] = make_engine(params, "judge", name=name)
+        return judges[name]
 
-    j = params.judge
-    judge = Judge(engine_for(j.model), j, native_thinking=dialect.name == "qwen3",
-                  rubric_engine=engine_for(j.rubric_model), grader_engine=engine_for(j.grader_model))
-    return Components(params, corpus, retriever, dialect, policy, judge, policy.tokenizer)
+    return Components(params, corpus, retriever, dialect, policy, make_judge(params, engine_for), policy.tokenizer)
 
 
 def challenger_batch(c: Components, n_documents: int, iteration: int = 1, group_size: int = 1):

@@ -11,10 +11,10 @@ read only from the text outside thinking. Blocks pair the way a non-greedy ``<th
 it thinking (a reply truncated mid-thought has no visible output).
 
 Qwen3 and other native thinkers. A chat template may put ``<think>`` into the prompt, so the completion
-starts inside a thinking block and holds only the closer. Callers should pass the full turn text when they
-have it; otherwise the rule is: a ``</think>`` that appears before any ``<think>`` closes a block that
-began at the start of the text (everything before it was thinking, and it counts as one block). When the
-completion starts inside thinking and was cut off before ``</think>``, pass ``starts_in_think=True``.
+starts inside a thinking block and holds only the closer: pass ``starts_in_think=True`` then (rollouts
+record it per trajectory from the rendered prompt). Without it, a ``</think>`` that appears before any
+``<think>`` still hides the text before it (it was reasoning, not output), but it is not a thinking block:
+it earns no think credit (F.1/F.2), so a model cannot collect the think reward by writing a lone closer.
 
 Tags. The protocol tags the policies write (``<think>``, ``<task>``, ``<answer>``) match as written, in
 lower case, as in F.1/F.2; ``<task>``/``<answer>`` may carry attributes. The Judge's tags (``<score>``,
@@ -70,9 +70,9 @@ def _scan_think(text: str, starts_in_think: bool = False) -> tuple[list[str], in
         if match.group() == THINK_OPEN:
             pieces.append(text[pos:match.start()])
             inside = True
-        elif blocks == 0 and not pieces:
-            # a </think> before any <think>: the completion began inside a block the prompt opened
-            blocks = 1
+        elif blocks == 0 and not pieces and pos == 0:
+            # a </think> before any <think>: the text before it was reasoning (hidden), but without an opener
+            # it is no block (starts_in_think=True when the chat template opened one)
             pos = match.end()
         # any later stray </think> stays in the visible text
     if not inside:
@@ -88,7 +88,8 @@ def strip_think(text: Any, *, starts_in_think: bool = False) -> str:
 
 
 def count_think_blocks(text: Any, *, starts_in_think: bool = False) -> int:
-    """Complete thinking blocks (an empty ``<think></think>`` counts; an unclosed one does not)."""
+    """Complete thinking blocks (an empty ``<think></think>`` counts; an unclosed one does not; a lone leading
+    ``</think>`` counts only when the chat template opened the block, ``starts_in_think=True``)."""
     if not isinstance(text, str):
         return 0
     return _scan_think(text, starts_in_think)[1]
@@ -100,8 +101,8 @@ def has_think(text: Any, *, starts_in_think: bool = False) -> bool:
 
 
 def starts_with_think(text: Any, *, starts_in_think: bool = False) -> bool:
-    """True when the text opens (after whitespace) with a complete thinking block, or begins inside one
-    that a later ``</think>`` closes (see the module's Qwen3 convention)."""
+    """True when the text opens (after whitespace) with a complete thinking block, or, with
+    ``starts_in_think=True``, begins inside one that a later ``</think>`` closes."""
     if not isinstance(text, str):
         return False
     first_close = text.find(THINK_CLOSE)
@@ -111,7 +112,7 @@ def starts_with_think(text: Any, *, starts_in_think: bool = False) -> bool:
         return True
     first_open = text.find(THINK_OPEN)
     if first_open < 0 or first_close < first_open:
-        return True  # the leading-closer convention
+        return False  # a lone closer: no opener was written
     return not text[:first_open].strip()  # only whitespace before a block that closes
 
 

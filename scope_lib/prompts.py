@@ -17,9 +17,13 @@ Tasks (``<task>``), answers (``<answer>``) and every Judge prompt use the same X
 | challenger_malformed             | env        | remaining                                                 |
 | challenger_finish                | env        | —                                                         |
 | solver                           | Solver     | question, max_search_turns, search_example,               |
-|                                  |            | results_description, budget_instructions                  |
+|                                  |            | results_description, answer_instruction,                  |
+|                                  |            | budget_instructions                                       |
+| solver_answer_paper / _long_form | Solver     | — (the answer instruction: Figure 10's, or long-form)     |
 | solver_malformed                 | env        | remaining, search_example                                 |
-| rubric_writer                    | Judge      | task_type, task, documents                                |
+| rubric_writer                    | Judge      | task_type, task, documents, extra_rules                   |
+| rubric_rule_grounding            | Judge      | — (the optional fifth rule, `judge.rubric_prompt`)        |
+| judge_retry_score / _rubrics     | Judge      | — (appended to a prompt whose reply did not parse)        |
 | grader / grader_native_thinking  | Judge      | task, response, rubric                                    |
 | gate_entity_identifiability      | Judge      | task (the task ONLY)                                      |
 | gate_source_relevance            | Judge      | source_document, task                                     |
@@ -37,6 +41,7 @@ __all__ = [
     "TaskTypeSpec", "TASK_TYPES", "GATES", "TEMPLATE_NAMES", "load_template", "template_placeholders",
     "challenger_prompt", "challenger_after_search", "challenger_malformed", "challenger_finish",
     "solver_prompt", "solver_malformed", "rubric_prompt", "grader_prompt", "gate_prompt", "format_documents",
+    "judge_retry", "SOLVER_PROMPTS", "RUBRIC_PROMPTS",
 ]
 
 
@@ -83,9 +88,15 @@ GATES: dict[str, str] = {
 
 TEMPLATE_NAMES: tuple[str, ...] = (
     "challenger", "challenger_after_search", "challenger_malformed", "challenger_finish",
-    "solver", "solver_malformed", "rubric_writer", "grader", "grader_native_thinking",
-    "gate_entity_identifiability", "gate_source_relevance",
+    "solver", "solver_answer_paper", "solver_answer_long_form", "solver_malformed", "rubric_writer",
+    "rubric_rule_grounding", "grader", "grader_native_thinking", "gate_entity_identifiability",
+    "gate_source_relevance", "judge_retry_score", "judge_retry_rubrics",
 )
+
+#: Solver prompt variants (`solver.prompt`): the paper's Figure 10, or a complete long-form answer.
+SOLVER_PROMPTS: tuple[str, ...] = ("paper", "long_form")
+#: Rubric writer variants (`judge.rubric_prompt`): Figure 12's four rules, or those plus a grounding rule.
+RUBRIC_PROMPTS: tuple[str, ...] = ("paper", "grounded")
 
 
 # -- loading and rendering -----------------------------------------------------------------------------
@@ -172,14 +183,18 @@ def challenger_finish() -> str:
 
 
 def solver_prompt(question: str, max_search_turns: int, search_example: str, results_description: str,
-                  budget_instructions: str = "") -> str:
-    """The Solver's user message. Unlike the paper's figure it asks for a complete answer in the form the
-    task requests (no "without detailed illustrations", which contradicts long-form tasks)."""
+                  budget_instructions: str = "", variant: str = "paper") -> str:
+    """The Solver's user message (Figure 10). `variant` "paper" keeps the figure's instruction to answer
+    "without detailed illustrations"; "long_form" asks instead for a complete answer in the form the task
+    requests (the paper's phrase contradicts long-form tasks; official-implementation facts §11.10)."""
+    if variant not in SOLVER_PROMPTS:
+        raise ValueError(f"unknown Solver prompt {variant!r}; choose one of {', '.join(SOLVER_PROMPTS)}")
     budget = _text("budget_instructions", budget_instructions).strip()
     return _render("solver", question=_text("question", question),
                    max_search_turns=_count("max_search_turns", max_search_turns),
                    search_example=_text("search_example", search_example),
                    results_description=_text("results_description", results_description),
+                   answer_instruction=_render(f"solver_answer_{variant}"),
                    budget_instructions=f" {budget}" if budget else "")
 
 
@@ -200,13 +215,23 @@ def format_documents(documents: list[str]) -> str:
     return "\n\n".join(f"Document {i}:\n{d}" for i, d in enumerate(docs, 1))
 
 
-def rubric_prompt(task_type: str, task: str, documents: list[str]) -> str:
-    """The rubric writer's prompt: 3-5 rubrics from the task and its context documents (the source
-    document d; plus retrieved evidence when `judge.rubric_context` asks for it)."""
+def rubric_prompt(task_type: str, task: str, documents: list[str], variant: str = "paper") -> str:
+    """The rubric writer's prompt (Figure 12): 3-5 rubrics from the task and its context documents (the
+    source document d; plus retrieved evidence when `judge.rubric_context` asks for it). `variant`
+    "paper" has the figure's four rules; "grounded" adds a fifth asking for the documents' concrete facts."""
     if isinstance(documents, str) or not isinstance(documents, list | tuple):
         raise ValueError(f"documents must be a list of strings, got {type(documents).__name__}")
+    if variant not in RUBRIC_PROMPTS:
+        raise ValueError(f"unknown rubric prompt {variant!r}; choose one of {', '.join(RUBRIC_PROMPTS)}")
+    extra = "\n" + _render("rubric_rule_grounding") if variant == "grounded" else ""
     return _render("rubric_writer", task_type=_task_type(task_type).name, task=_text("task", task),
-                   documents=format_documents(list(documents)))
+                   documents=format_documents(list(documents)), extra_rules=extra)
+
+
+def judge_retry(prompt: str, stage: str) -> str:
+    """`prompt` with the corrective instruction for a reply that did not parse: only the required tag."""
+    name = "judge_retry_rubrics" if stage == "rubrics" else "judge_retry_score"
+    return f"{_text('prompt', prompt)}\n\n{_render(name)}"
 
 
 def grader_prompt(task: str, response: str, rubric: str, native_thinking: bool = False) -> str:

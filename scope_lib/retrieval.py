@@ -47,6 +47,7 @@ from chromadb.utils.embedding_functions import register_embedding_function
 from tqdm.auto import tqdm
 
 from scope_lib.config import RetrievalConfig
+from scope_lib.index_store import embedding_text
 
 if TYPE_CHECKING:
     from scope_lib.config import Params
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Bump when the way passages are stored or embedded changes, so older indexes are rebuilt, not reused.
-INDEX_FORMAT_VERSION = 1
+#: 2: passages are embedded as their `contents` (title + text), as the authors' index is (was: text only).
+INDEX_FORMAT_VERSION = 2
 
 #: The distance of the HNSW index; embeddings are normalised, so cosine similarity = inner product.
 SPACE = "cosine"
@@ -188,6 +190,7 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
         self.model_name = str(model)
         self.device = device
         self._model: Any = None
+        self.cache: EmbeddingCache | None = None  # `retrieval.embedding_cache`
 
     @property
     def model_id(self) -> str:  # type: ignore[override]
@@ -216,9 +219,18 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
         prefix = self.query_prefix if query else self.document_prefix
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        vectors = self.model.encode([prefix + t for t in texts], batch_size=self.batch_size,
-                                    normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
-        return _normalise(vectors)
+        inputs = [prefix + t for t in texts]
+        cache = self.cache
+        known = cache.get(inputs) if cache is not None else {}
+        todo = [t for t in dict.fromkeys(inputs) if t not in known]
+        if todo:
+            vectors = _normalise(self.model.encode(todo, batch_size=self.batch_size, normalize_embeddings=True,
+                                                   convert_to_numpy=True, show_progress_bar=False))
+            fresh = dict(zip(todo, vectors, strict=True))
+            if cache is not None:
+                cache.put(fresh)
+            known = {**known, **fresh}
+        return np.stack([known[t] for t in inputs]).astype(np.float32)
 
     def get_config(self) -> dict[str, Any]:
         return {"model": self.model_name, "device": self.device, "batch_size": self.batch_size}
@@ -368,15 +380,62 @@ class HashingEmbedder(ScopeEmbedder):
         return HashingEmbedder(config.get("dim", 384), config.get("batch_size", 256))
 
 
+class EmbeddingCache:
+    """Vectors of texts already embedded by one model, on disk (sqlite, keyed by a hash of the exact input
+    text, prefix included), shared by every process: a small corpus is embedded once for the chroma index,
+    the faiss index, the notebooks and the tests. Off by default (`retrieval.embedding_cache`): at wiki-18
+    scale the faiss build keeps its own embedding shards."""
+
+    def __init__(self, model_id: str, root: str | os.PathLike | None = None):
+        import re
+        import sqlite3
+
+        from scope_lib.tiny import cache_root
+
+        folder = Path(root) if root is not None else cache_root().parent / "embeddings"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / (re.sub(r"[^A-Za-z0-9._-]+", "_", model_id) + ".sqlite")
+        self._db = sqlite3.connect(str(self.path), timeout=60, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, vector BLOB)")
+
+    @staticmethod
+    def _key(text: str) -> str:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def get(self, texts: list[str]) -> dict[str, np.ndarray]:
+        keys = {self._key(t): t for t in texts}
+        found: dict[str, np.ndarray] = {}
+        items = list(keys)
+        for start in range(0, len(items), 900):  # sqlite's limit on bound parameters
+            chunk = items[start:start + 900]
+            rows = self._db.execute(f"SELECT key, vector FROM vectors WHERE key IN ({','.join('?' * len(chunk))})",
+                                    chunk).fetchall()
+            for key, blob in rows:
+                found[keys[key]] = np.frombuffer(blob, dtype=np.float32)
+        return found
+
+    def put(self, vectors: dict[str, np.ndarray]) -> None:
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)",
+                                 [(self._key(t), np.asarray(v, dtype=np.float32).tobytes()) for t, v in vectors.items()])
+
+
 def make_embedder(cfg: RetrievalConfig) -> ScopeEmbedder:
     """The embedder `retrieval.embedder` names: e5 (paper), minilm-offline (demos, tests), hashing (unit tests)."""
     if cfg.embedder == "e5":
-        return E5Embedder(cfg.embedder_model, cfg.embedder_device, cfg.embed_batch_size)
+        return _with_cache(E5Embedder(cfg.embedder_model, cfg.embedder_device, cfg.embed_batch_size), cfg)
     if cfg.embedder == "minilm-offline":
-        return MiniLMOfflineEmbedder(cfg.embedder_device, cfg.embed_batch_size)
+        return _with_cache(MiniLMOfflineEmbedder(cfg.embedder_device, cfg.embed_batch_size), cfg)
     if cfg.embedder == "hashing":
         return HashingEmbedder(batch_size=cfg.embed_batch_size)
     raise ValueError(f"retrieval.embedder: unknown embedder {cfg.embedder!r}; use e5, minilm-offline or hashing")
+
+
+def _with_cache(embedder: _SentenceTransformerEmbedder, cfg: RetrievalConfig) -> _SentenceTransformerEmbedder:
+    if cfg.embedding_cache:
+        embedder.cache = EmbeddingCache(embedder.model_id)
+    return embedder
 
 
 # -- chroma --------------------------------------------------------------------------------------------
@@ -395,11 +454,11 @@ class BuildStats:
     total_s: float = 0.0
 
     def summary(self) -> str:
-        """One line: 'built: 1000 passages (1000 added; embed 12.3 s, chroma add 1.2 s)'."""
+        """One line: 'built: 1000 passages (1000 added; embed 12.3 s, index 1.2 s)'."""
         rates = ""
         if self.n_added:
-            rates = (f"; embed {self.embed_s:.1f} s ({self.n_added / max(self.embed_s, 1e-9):,.0f}/s), "
-                     f"chroma add {self.add_s:.1f} s ({self.n_added / max(self.add_s, 1e-9):,.0f}/s)")
+            embed = f"{self.n_added / self.embed_s:,.0f}/s" if self.embed_s > 0 else "-"
+            rates = f"; embed {self.embed_s:.1f} s ({embed}), index {self.add_s:.1f} s"
         return f"{self.action}: {self.n_passages:,} passages ({self.n_added:,} added, {self.n_skipped:,} skipped{rates})"
 
 
@@ -539,6 +598,9 @@ def build_index(passages: Iterable[Passage], cfg: RetrievalConfig, *, corpus_sha
         stored = dict(existing.metadata or {})
         diffs = _differences(stored, wanted)
         status = stored.get("scope_status")
+        if diffs and all(d.startswith("format:") for d in diffs):  # an older layout: unusable, rebuild it
+            log.warning("the index at %s has an older format (%s); rebuilding it", where, diffs[0])
+            rebuild = True
         if diffs and not rebuild:
             what = "an interrupted build of another index" if status == "building" else "another index"
             raise IndexMismatchError(f"the retrieval index at {where} holds {what}:\n  " + "\n  ".join(diffs)
@@ -649,7 +711,7 @@ def _add_batch(collection: Any, batch: list[Passage], embedder: ScopeEmbedder, c
                stats: BuildStats) -> None:
     t0 = time.perf_counter()
     size = cfg.embed_batch_size
-    embeddings = np.concatenate([embedder.embed_documents([p.text for p in batch[i:i + size]])
+    embeddings = np.concatenate([embedder.embed_documents([embedding_text(p) for p in batch[i:i + size]])
                                  for i in range(0, len(batch), size)])
     t1 = time.perf_counter()
     collection.add(ids=[p.id for p in batch], embeddings=embeddings, documents=[p.text for p in batch],
@@ -759,8 +821,17 @@ def _hit_from_item(item: Any) -> Hit:
 
 
 def index_path(params: Params) -> Path:
-    """The embedded chroma store of a run: <run_dir>/index."""
+    """Where a run's local indexes live: `retrieval.index_dir`, else <run_dir>/index. The embedded chroma
+    store is this directory; a faiss or bm25 store is its <collection>/ subdirectory."""
+    configured = params.retrieval.index_dir
+    if configured:
+        return Path(os.path.expandvars(os.path.expanduser(configured)))
     return Path(params.run_dir) / "index"
+
+
+def store_path(params: Params) -> Path:
+    """The faiss / bm25 store of a run: passages, embeddings and indexes (see `scope_lib.index_store`)."""
+    return index_path(params) / params.retrieval.collection
 
 
 def cached_corpus_sha256(corpus_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
@@ -788,32 +859,235 @@ def cached_corpus_sha256(corpus_path: str | os.PathLike, cache_dir: str | os.Pat
     return digest
 
 
-def build_or_open_index(params: Params, rebuild: bool = False, progress: bool = True) -> ChromaRetriever:
-    """`scope index build`: the run's chroma index over `params.corpus_path`, built on first use, reused
-    afterwards (fingerprint check), resumed after an interruption, rebuilt when `rebuild`."""
-    from scope_lib.corpus import iter_passages
+class IndexCheckError(RetrievalError):
+    """`scope index check` failed; the message is its table."""
 
-    cfg = params.retrieval
+
+class IndexTooLargeError(RetrievalError):
+    """The memory plan says the build would not fit in `retrieval.memory_budget_gb` (or the free RAM)."""
+
+
+#: What `build_or_open_index` returns: a local index behind the `Retriever` interface.
+LocalRetriever = Any  # ChromaRetriever | FaissRetriever | BM25Retriever
+
+
+def _corpus_file(params: Params) -> Path:
     corpus = Path(params.corpus_path)
     if not corpus.is_file():
         raise RetrievalError(f"corpus {corpus} not found: run `scope data fetch --params PARAMS`, or point "
                              "retrieval.corpus (or $SCOPE_DATA_DIR) at a wiki-18 style JSONL file")
+    return corpus
+
+
+def passages_fingerprint(cfg: RetrievalConfig, corpus_sha256: str) -> dict[str, Any]:
+    """What a passage store must have been built from: the corpus bytes and the slice read from them."""
+    return {"scope_corpus_sha256": corpus_sha256, "scope_max_passages": cfg.max_passages or 0,
+            "scope_on_error": cfg.on_error}
+
+
+def build_or_open_index(params: Params, rebuild: bool = False, progress: bool = True, *, force: bool = False,
+                        embedder: ScopeEmbedder | None = None) -> LocalRetriever:
+    """`scope index build`: the run's index for `retrieval.backend` (chroma, faiss or bm25) over
+    `params.corpus_path`, built on first use, reused afterwards (fingerprint check), resumed after an
+    interruption, rebuilt when `rebuild`. Before a build, the memory plan must fit `retrieval.memory_budget_gb`
+    (default: the available RAM), else IndexTooLargeError, unless `force`."""
+    cfg = params.retrieval
+    if cfg.backend == "http":
+        raise RetrievalError(f"retrieval.backend is 'http': the index lives with the server at {cfg.server_url}. "
+                             "Build it where the server runs (`scope index build` with backend chroma, faiss "
+                             "or bm25), then `scope serve retrieval` there.")
+    corpus = _corpus_file(params)
+    if not force and (rebuild or not index_is_built(params)):
+        _refuse_if_too_big(params)
+    if cfg.backend in ("faiss", "bm25"):
+        return _build_or_open_store(params, corpus, rebuild, progress, embedder)
+    from scope_lib.corpus import iter_passages
+
     path = index_path(params) if cfg.chroma_mode == "embedded" else None
     sha = cached_corpus_sha256(corpus, path if path is not None else Path(params.run_dir))
     stream = iter_passages(corpus, cfg.on_error, max_passages=cfg.max_passages)
     try:
         return build_index(stream, cfg, corpus_sha256=sha, path=path, rebuild=rebuild, progress=progress,
-                           total=cfg.max_passages)
+                           total=cfg.max_passages, embedder=embedder)
     finally:
         stream.close()
 
 
+def _refuse_if_too_big(params: Params) -> None:
+    from scope_lib.index_plan import plan_index
+
+    plan = plan_index(params, measure=False)
+    row = plan.configured
+    if row is not None and not row.fits:
+        raise IndexTooLargeError(
+            f"building the {row.backend} index {row.index!r} over {plan.n_passages:,} passages needs about "
+            f"{row.build_peak_gb:.1f} GB of memory (serving it: {row.index_ram_gb:.1f} GB), more than the "
+            f"{plan.budget_gb:.1f} GB budget ({plan.budget_source}).\n{plan.table()}\n"
+            "Pick an index that fits (`scope index plan --params P` compares them; e.g. "
+            "-o retrieval.faiss_factory=...), raise retrieval.memory_budget_gb, or build anyway with "
+            "`scope index build --force` (build_or_open_index(..., force=True)).")
+
+
+def index_is_built(params: Params) -> bool:
+    """True when the configured local index exists completely on disk (chroma: the collection exists)."""
+    cfg = params.retrieval
+    if cfg.backend == "http":
+        return False
+    if cfg.backend == "chroma":
+        if cfg.chroma_mode == "server":
+            return True  # the server holds it: its memory is not ours to plan
+        if not (index_path(params) / "chroma.sqlite3").is_file():
+            return False
+        collection = _get_collection(make_chroma_client(cfg, index_path(params)), cfg.collection)
+        return collection is not None and (collection.metadata or {}).get("scope_status") == "complete"
+    root = store_path(params)
+    from scope_lib.index_store import read_json
+
+    if cfg.backend == "bm25":
+        from scope_lib.retrieval_bm25 import bm25_key
+
+        manifest = read_json(root / "bm25" / bm25_key(cfg) / "manifest.json")
+        return manifest is not None and manifest.get("status") == "complete"
+    from scope_lib.index_store import slug
+    from scope_lib.retrieval_faiss import index_key
+
+    embedder = make_embedder(cfg)
+    emb = read_json(root / "embeddings" / slug(f"{embedder.name()}:{embedder.model_id}") / "manifest.json")
+    if emb is None or emb.get("status") != "complete":
+        return False
+    key, _ = index_key(cfg, int(emb["dimension"]))
+    manifest = read_json(root / "faiss" / key / "manifest.json")
+    return manifest is not None and manifest.get("status") == "complete"
+
+
+def _embeddings_dir(root: Path, embedder: ScopeEmbedder) -> Path:
+    from scope_lib.index_store import slug
+
+    return root / "embeddings" / slug(f"{embedder.name()}:{embedder.model_id}")
+
+
+def _build_or_open_store(params: Params, corpus: Path, rebuild: bool, progress: bool,
+                         embedder: ScopeEmbedder | None) -> LocalRetriever:
+    """faiss / bm25: passages to disk, then (faiss) embeddings and the index, or (bm25) the bm25 index."""
+    import shutil
+
+    from scope_lib.corpus import iter_passages
+    from scope_lib.index_store import StoreMismatchError, build_embeddings, build_passage_store
+
+    cfg = params.retrieval
+    root = store_path(params)
+    started = time.perf_counter()
+    if rebuild and root.exists():
+        log.info("rebuilding the retrieval store at %s", root)
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    sha = cached_corpus_sha256(corpus, root)
+    stream = iter_passages(corpus, cfg.on_error, max_passages=cfg.max_passages)
+    try:
+        passages, pstats = build_passage_store(stream, root / "passages", passages_fingerprint(cfg, sha),
+                                               cfg.shard_passages, progress=progress, total=cfg.max_passages)
+    except StoreMismatchError as exc:
+        raise IndexMismatchError(f"the retrieval store {exc}\n{REBUILD_HINT}") from exc
+    finally:
+        stream.close()
+    if cfg.backend == "bm25":
+        from scope_lib.retrieval_bm25 import bm25_key, build_bm25_index, open_bm25
+
+        istats = build_bm25_index(passages, cfg, root / "bm25" / bm25_key(cfg), progress=progress)
+        stats = _store_stats(rebuild, pstats, istats, istats, started, passages.n_passages)
+        stats.embed_s = 0.0  # nothing is embedded: add_s is the tokenising and indexing
+        retriever = open_bm25(root, cfg, passages, stats)
+    else:
+        from scope_lib.retrieval_faiss import build_faiss_index, index_key, open_faiss
+
+        embedder = embedder if embedder is not None else make_embedder(cfg)
+        embeddings, estats = build_embeddings(passages, embedder, _embeddings_dir(root, embedder),
+                                              batch_size=cfg.embed_batch_size, progress=progress)
+        key, _ = index_key(cfg, embeddings.dimension)
+        istats = build_faiss_index(embeddings, cfg, root / "faiss" / key, progress=progress)
+        stats = _store_stats(rebuild, pstats, estats, istats, started, passages.n_passages)
+        retriever = open_faiss(root, cfg, embedder, passages, embeddings, stats)
+    log.info("index %s %s", retriever.describe(), stats.summary())
+    return retriever
+
+
+def _store_stats(rebuild: bool, pstats: Any, estats: Any, istats: Any, started: float, n: int) -> BuildStats:
+    actions = {pstats.action, estats.action, istats.action}
+    action = ("rebuilt" if rebuild else "resumed" if "resumed" in actions
+              else "built" if "built" in actions else "reused")
+    return BuildStats(action=action, n_passages=n, n_added=estats.n_done, n_skipped=estats.n_skipped,
+                      embed_s=estats.seconds, add_s=istats.seconds, total_s=time.perf_counter() - started)
+
+
+def open_index(params: Params, embedder: ScopeEmbedder | None = None) -> LocalRetriever:
+    """The configured local index if it is completely built and matches the params; never builds anything.
+    FileNotFoundError when it is missing (or built for another embedder), IndexMismatchError when it was built
+    from another corpus or settings."""
+    from scope_lib.index_store import EmbeddingStore, PassageStore, differences
+
+    cfg = params.retrieval
+    corpus = _corpus_file(params)
+    if cfg.backend == "http":
+        raise RetrievalError("retrieval.backend is 'http': there is no local index to open")
+    if cfg.backend == "chroma":
+        if cfg.chroma_mode == "embedded" and not (index_path(params) / "chroma.sqlite3").is_file():
+            raise FileNotFoundError(f"no chroma index at {index_path(params)}: run `scope index build`")
+        path = index_path(params) if cfg.chroma_mode == "embedded" else None
+        client = make_chroma_client(cfg, path)
+        collection = _get_collection(client, cfg.collection)
+        if collection is None or (collection.metadata or {}).get("scope_status") != "complete":
+            state = "no" if collection is None else "an unfinished"
+            raise FileNotFoundError(f"{state} chroma collection {cfg.collection!r} at "
+                                    f"{path or cfg.chroma_host}: run `scope index build`")
+        sha = cached_corpus_sha256(corpus, path if path is not None else Path(params.run_dir))
+        embedder = embedder if embedder is not None else make_embedder(cfg)
+        diffs = _differences(dict(collection.metadata or {}), index_fingerprint(cfg, sha, embedder))
+        if diffs:
+            raise IndexMismatchError(f"the chroma index {cfg.collection!r} at {path or cfg.chroma_host} was built "
+                                     "from other settings:\n  " + "\n  ".join(diffs) + f"\n{REBUILD_HINT}")
+        return build_index(iter(()), cfg, corpus_sha256=sha, path=path, client=client, embedder=embedder,
+                           progress=False)
+    root = store_path(params)
+    try:
+        passages = PassageStore(root / "passages")
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"no {cfg.backend} index at {root}: run `scope index build`") from exc
+    diffs = differences(passages.fingerprint, passages_fingerprint(cfg, cached_corpus_sha256(corpus, root)))
+    if diffs:
+        raise IndexMismatchError(f"the retrieval store at {root} was built from another corpus or slice:\n  "
+                                 + "\n  ".join(diffs) + f"\n{REBUILD_HINT}")
+    if cfg.backend == "bm25":
+        from scope_lib.retrieval_bm25 import open_bm25
+
+        return open_bm25(root, cfg, passages)
+    from scope_lib.retrieval_faiss import open_faiss
+
+    embedder = embedder if embedder is not None else make_embedder(cfg)
+    directory = _embeddings_dir(root, embedder)
+    try:
+        embeddings = EmbeddingStore(directory)
+    except FileNotFoundError as exc:
+        built = sorted(p.name for p in (root / "embeddings").glob("*") if (p / "manifest.json").is_file())
+        raise FileNotFoundError(f"no embeddings by {embedder.describe()} at {root}: the index was built with "
+                                f"{built or 'no embedder'}; run `scope index build` for this embedder") from exc
+    return open_faiss(root, cfg, embedder, passages, embeddings)
+
+
 def open_retriever(params: Params, progress: bool = True) -> Retriever:
-    """The retriever the params ask for: the run's chroma index (built if missing) or a /retrieve server."""
+    """The retriever the params ask for: the run's local index (built if missing) or a /retrieve server."""
     cfg = params.retrieval
     if cfg.backend == "http":
         return HttpRetriever(cfg.server_url, cfg.timeout_s, top_k=cfg.top_k)
     return build_or_open_index(params, progress=progress)
+
+
+def check_index(params: Params, **kwargs: Any) -> Any:
+    """`scope index check`: canary queries, result sanity and fingerprints of the configured index (any
+    backend, http included), as a `CheckReport` (`.passed`, `.table()`); never builds. Run it before
+    training. See `scope_lib.index_check.check_index` for the options."""
+    from scope_lib.index_check import check_index as run_checks
+
+    return run_checks(params, **kwargs)
 
 
 # -- what the policy sees: formatting, neutralising, token budget -------------------------------------
@@ -931,7 +1205,8 @@ def passages_sha256(passages: Iterable[Passage]) -> str:
 __all__ = [
     "BuildStats", "ChromaRetriever", "E5Embedder", "HashingEmbedder", "Hit", "HttpRetriever",
     "IndexMismatchError", "MiniLMOfflineEmbedder", "RetrievalError", "Retriever", "RetrieverUnavailable",
-    "ScopeEmbedder", "build_index", "build_or_open_index", "cached_corpus_sha256", "count_tokens",
-    "format_results", "format_results_batch", "index_fingerprint", "index_path", "make_chroma_client",
-    "make_embedder", "neutralize", "open_retriever", "passages_sha256", "resolve_device",
+    "ScopeEmbedder", "build_index", "build_or_open_index", "cached_corpus_sha256", "check_index", "count_tokens",
+    "format_results", "format_results_batch", "index_fingerprint", "index_is_built", "index_path",
+    "IndexCheckError", "IndexTooLargeError", "make_chroma_client", "make_embedder", "neutralize", "open_index", "open_retriever",
+    "passages_sha256", "resolve_device", "store_path",
 ]

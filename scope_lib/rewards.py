@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from scope_lib.parsing import has_think
 
 __all__ = [
-    "FormatScore", "LengthPenalty", "PAPER_LENGTH_PENALTY", "rubric_score", "difficulty_reward",
+    "FormatScore", "LengthPenalty", "PAPER_LENGTH_PENALTY", "DIFFICULTY_SHAPES", "rubric_score", "difficulty_reward",
     "length_penalty", "search_reward", "challenger_reward", "solver_reward", "challenger_format",
     "solver_format", "group_advantages",
 ]
@@ -98,13 +98,32 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
 # -- eq. 5 -------------------------------------------------------------------------------------------
 
 
-def difficulty_reward(mean_score: float, target: float = 0.5) -> float:
-    """f_diff(ḡ; τ) = max(0, 1 − |ḡ − τ| / min(τ, 1 − τ)) (eq. 5): 1 at ḡ = τ, 0 at ḡ = 0 and ḡ = 1."""
+#: Challenger reward shapes f_diff (`challenger.reward_shape`): the paper's tent (eq. 5) and three from related
+#: self-play methods (reference/related-methods.md).
+DIFFICULTY_SHAPES: tuple[str, ...] = ("tent", "rzero", "spice", "ssp")
+
+
+def difficulty_reward(mean_score: float, target: float = 0.5, shape: str = "tent") -> float:
+    """f_diff(ḡ; τ) of eq. 4.
+
+    - "tent" (eq. 5, the paper): max(0, 1 − |ḡ − τ| / min(τ, 1 − τ)); 1 at ḡ = τ, 0 at ḡ = 0 and ḡ = 1.
+    - "rzero" (R-Zero): 1 − 2|ḡ − ½|, whatever τ (the same as the tent at τ = ½).
+    - "spice" (SPICE): exp(−(ḡ(1 − ḡ) − ¼)² / (2 · 0.01)), a Gaussian on the variance of a Bernoulli(ḡ).
+    - "ssp" (Search Self-Play): 1 − ḡ, harder is always better.
+    """
     g = _check_finite("mean_score", mean_score)
     tau = _check_finite("target", target)
     if not 0.0 < tau < 1.0:
         raise ValueError(f"target tau must lie strictly between 0 and 1 (eq. 5), got {tau}")
-    return max(0.0, 1.0 - abs(g - tau) / min(tau, 1.0 - tau))
+    if shape == "tent":
+        return max(0.0, 1.0 - abs(g - tau) / min(tau, 1.0 - tau))
+    if shape == "rzero":
+        return max(0.0, 1.0 - 2.0 * abs(g - 0.5))
+    if shape == "spice":
+        return math.exp(-((g * (1.0 - g) - 0.25) ** 2) / (2 * 0.01))
+    if shape == "ssp":
+        return min(1.0, max(0.0, 1.0 - g))
+    raise ValueError(f"unknown difficulty reward shape {shape!r}; choose one of {', '.join(DIFFICULTY_SHAPES)}")
 
 
 # -- eq. 7 -------------------------------------------------------------------------------------------
@@ -182,9 +201,9 @@ class FormatScore:
         return (self.think + self.tool + self.final) / 3.0
 
 
-def _think_share(assistant_turns: Sequence[str]) -> float:
+def _think_share(assistant_turns: Sequence[str], starts_in_think: bool = False) -> float:
     turns = list(assistant_turns)
-    return sum(1 for t in turns if has_think(t)) / len(turns) if turns else 0.0
+    return sum(1 for t in turns if has_think(t, starts_in_think=starts_in_think)) / len(turns) if turns else 0.0
 
 
 def _nonempty(text: str | None) -> bool:
@@ -193,10 +212,11 @@ def _nonempty(text: str | None) -> bool:
 
 def challenger_format(assistant_turns: Sequence[str], expected_searches: int, n_valid_searches: int,
                       n_malformed_searches: int, task: str | None, *,
-                      subtract_malformed: bool = False) -> FormatScore:
+                      subtract_malformed: bool = False, starts_in_think: bool = False) -> FormatScore:
     """r_fmt(o^C) (F.1) from the decoded assistant turns.
 
-    - think: share of assistant turns holding a complete ``<think>…</think>`` block.
+    - think: share of assistant turns holding a complete ``<think>…</think>`` block (a lone ``</think>``
+      counts only when the chat template opened the block: ``starts_in_think=True``).
     - tool: valid searches / expected searches N, clamped to [0, 1] (N = 0 expects nothing: 1). As in the
       paper, a malformed search earns nothing and costs nothing here (it already wastes a turn, and the
       rollout may run out of turns before the task). ``subtract_malformed=True`` is the authors' code:
@@ -212,14 +232,15 @@ def challenger_format(assistant_turns: Sequence[str], expected_searches: int, n_
         return FormatScore(0.0, 0.0, 0.0)
     counted = valid - malformed if subtract_malformed else valid
     tool = 1.0 if n_expected == 0 else min(1.0, max(0.0, counted / n_expected))
-    return FormatScore(_think_share(turns), tool, 1.0 if _nonempty(task) else 0.0)
+    return FormatScore(_think_share(turns, starts_in_think), tool, 1.0 if _nonempty(task) else 0.0)
 
 
 def solver_format(assistant_turns: Sequence[str], n_valid_searches_nonfinal: int,
-                  answer: str | None) -> FormatScore:
+                  answer: str | None, *, starts_in_think: bool = False) -> FormatScore:
     """r_fmt(o^S) (F.2) from the decoded assistant turns.
 
-    - think: share of assistant turns holding a complete ``<think>…</think>`` block.
+    - think: share of assistant turns holding a complete ``<think>…</think>`` block (a lone ``</think>``
+      counts only when the chat template opened the block: ``starts_in_think=True``).
     - tool: min(valid searches in the non-final turns / (turns − 1), 1). A single-turn rollout has no
       non-final turn; it scores 0 (the Solver is trained to retrieve, and F.2's ratio is undefined there).
     - answer: 1 if a non-empty answer was extracted.
@@ -229,7 +250,7 @@ def solver_format(assistant_turns: Sequence[str], n_valid_searches_nonfinal: int
     if not turns:
         return FormatScore(0.0, 0.0, 0.0)
     tool = min(1.0, valid / (len(turns) - 1)) if len(turns) > 1 else 0.0
-    return FormatScore(_think_share(turns), tool, 1.0 if _nonempty(answer) else 0.0)
+    return FormatScore(_think_share(turns, starts_in_think), tool, 1.0 if _nonempty(answer) else 0.0)
 
 
 def _format_total(format_score: float | FormatScore) -> float:
@@ -242,18 +263,18 @@ def _format_total(format_score: float | FormatScore) -> float:
 
 def challenger_reward(format_score: float | FormatScore, gates_passed: bool, mean_solver_score: float | None,
                       *, format_weight: float = 0.5, difficulty_weight: float = 1.0,
-                      target: float = 0.5) -> float:
+                      target: float = 0.5, shape: str = "tent") -> float:
     """R_C = λ_fmt·r_fmt + λ_diff·1[QG]·f_diff(ḡ; τ) (eq. 4).
 
     A rollout with r_fmt = 0 gets 0 (F.1). A failed gate, or no valid Solver rollouts to average
-    (`mean_solver_score` None), leaves the format term only.
+    (`mean_solver_score` None), leaves the format term only. `shape` picks f_diff (`difficulty_reward`).
     """
     fmt = _format_total(format_score)
     if fmt == 0.0:
         return 0.0
     difficulty = 0.0
     if gates_passed and mean_solver_score is not None:
-        difficulty = difficulty_reward(mean_solver_score, target)
+        difficulty = difficulty_reward(mean_solver_score, target, shape)
     return format_weight * fmt + difficulty_weight * difficulty
 
 

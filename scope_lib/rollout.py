@@ -29,7 +29,9 @@ Role = Literal["challenger", "solver"]
 
 @dataclass
 class SearchRecord:
-    """One search action: the turn it was made in, its query, and what came back."""
+    """One search action the environment handled: the turn it was made in, its query, and what came back
+    (a malformed action gets a correction instead). An action in a turn that cannot be followed gets no
+    reply and no record; the format and search rewards count actions from the turns' text (F.1, F.2)."""
 
     turn: int
     query: str | None
@@ -48,6 +50,7 @@ class Trajectory:
     messages: list[dict[str, str]]
     expected_searches: int | None = None
     max_searches: int | None = None
+    opens_think: bool = False          # the chat template itself opened <think> in the generation prompt
     meta: dict[str, Any] = field(default_factory=dict)
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
@@ -162,9 +165,12 @@ class ChallengerPrompt:
 
 
 def make_challenger_prompts(passages, task_types: list[str], strata: list[int], seed: int,
-                            tokenizer=None, document_max_tokens: int | None = None) -> list[ChallengerPrompt]:
+                            tokenizer=None, document_max_tokens: int | None = None,
+                            id_prefix: str | None = None) -> list[ChallengerPrompt]:
     """One Challenger prompt per passage: task types and search counts (1, 2, 3, ... by `strata`) are
-    each apportioned exactly and shuffled by seed."""
+    each apportioned exactly and shuffled by seed. Ids are `id_prefix` + position (default "c<seed>-"); give
+    each iteration and batch its own prefix so ids stay unique across a run."""
+    id_prefix = f"c{seed}-" if id_prefix is None else id_prefix
     n = len(passages)
     types = apportion(n, [1] * len(task_types), seed)
     searches = apportion(n, strata, seed + 1)
@@ -173,7 +179,7 @@ def make_challenger_prompts(passages, task_types: list[str], strata: list[int], 
         document = passage.document
         if tokenizer is not None and document_max_tokens:
             document = truncate_tokens(document, tokenizer, document_max_tokens)
-        out.append(ChallengerPrompt(id=f"c{seed}-{i}", document_id=passage.id, document=document,
+        out.append(ChallengerPrompt(id=f"{id_prefix}{i}", document_id=passage.id, document=document,
                                     task_type=task_types[t], expected_searches=s + 1))
     return out
 
@@ -190,23 +196,30 @@ def challenger_messages(prompt: ChallengerPrompt, dialect: Dialect) -> list[dict
     return [{"role": "user", "content": content}]
 
 
-def solver_messages(question: str, dialect: Dialect, max_searches: int) -> list[dict[str, str]]:
+def solver_messages(question: str, dialect: Dialect, max_searches: int,
+                    variant: str = "paper") -> list[dict[str, str]]:
+    """The Solver's first message; `variant` is `solver.prompt` (Figure 10, or the long-form wording)."""
     content = prompts.solver_prompt(question, max_searches, dialect.search_example,
-                                    dialect.results_description)
+                                    dialect.results_description, variant=variant)
     return [{"role": "user", "content": content}]
 
 
+def render_messages(tokenizer, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(render_messages(tokenizer, messages), add_special_tokens=False)
 
 
 def new_trajectory(id: str, role: Role, messages: list[dict[str, str]], tokenizer, *,
                    expected_searches: int | None = None, max_searches: int | None = None,
                    meta: dict[str, Any] | None = None) -> Trajectory:
-    return Trajectory(id=id, role=role, prompt_ids=encode_messages(tokenizer, messages),
+    text = render_messages(tokenizer, messages)
+    return Trajectory(id=id, role=role, prompt_ids=tokenizer.encode(text, add_special_tokens=False),
                       messages=list(messages), expected_searches=expected_searches,
-                      max_searches=max_searches, meta=dict(meta or {}))
+                      max_searches=max_searches, opens_think=text.rstrip().endswith("<think>"),
+                      meta=dict(meta or {}))
 
 
 def challenger_trajectories(challenger_prompts: list[ChallengerPrompt], dialect: Dialect, tokenizer,
@@ -226,7 +239,8 @@ Decision = Literal["search", "malformed", "end"]
 def _decide(traj: Trajectory, text: str, action: SearchAction) -> tuple[Decision, str]:
     """What the environment does after a turn: run a search, correct a malformed action, or end."""
     final_tag = "<task>" if traj.role == "challenger" else "<answer>"
-    final = parsing.extract_task(text) if traj.role == "challenger" else parsing.extract_answer(text)
+    extract = parsing.extract_task if traj.role == "challenger" else parsing.extract_answer
+    final = extract(text, starts_in_think=traj.opens_think)
     if final is not None and (action.kind == "none" or _position(text, final_tag) < _position(text, "search")):
         return "end", "task" if traj.role == "challenger" else "answer"
     limit = traj.expected_searches if traj.role == "challenger" else traj.max_searches
@@ -329,6 +343,8 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             traj.messages.append({"role": "assistant", "content": text})
             action = dialect.parse_search(text)
             decision, reason = _decide(traj, text, action)
+            if decision != "end" and not _can_continue(traj, turn, limits):
+                decision, reason = "end", "turn_limit"   # no retrieval for a turn that cannot be followed
             if decision == "end":
                 traj.finish = reason if finish != "length" or reason != "no_action" else "length"
             elif decision == "search":
@@ -357,6 +373,11 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
     return stats
 
 
+def _can_continue(traj: Trajectory, turn: int, limits: RolloutLimits) -> bool:
+    """Whether another assistant turn can follow this one: turns left and response budget left."""
+    return turn + 1 < limits.max_turns and len(traj.completion_ids) < limits.max_response_tokens
+
+
 def _add_environment(replies: list[tuple[Trajectory, str | None]], dialect: Dialect, tokenizer) -> None:
     """The environment's turn for each continuing trajectory (search results, or None after a malformed
     action), tokenised in one tokenizer call."""
@@ -374,9 +395,9 @@ def _finalise(traj: Trajectory) -> None:
     """The final task or answer is read from the last assistant turn only (F.1, F.2)."""
     last = traj.turns[-1] if traj.turns else ""
     if traj.role == "challenger":
-        traj.task = parsing.extract_task(last)
+        traj.task = parsing.extract_task(last, starts_in_think=traj.opens_think)
     else:
-        traj.answer = parsing.extract_answer(last)
+        traj.answer = parsing.extract_answer(last, starts_in_think=traj.opens_think)
 
 
 # -- per-turn datums (App. E) ----------------------------------------------------------------------

@@ -3,7 +3,13 @@ saying why, when it is absent."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# One torch thread in the test process and every process it starts (notebook kernels, servers, `scope train`):
+# the models here are tiny, and two threads on two shared cores spin against whatever else runs (measured:
+# 0.33 s vs 30 s for the same generate call while another process was busy).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 from fixtures_tiny import shared_data_dir, tiny_corpus, tiny_model_dir  # noqa: F401  (session fixtures)
@@ -43,3 +49,16 @@ def tiny_tokenizer(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tok.padding_side = "left"
     return tok
+
+
+@pytest.fixture(scope="session")
+def minilm_embedder():
+    """The real offline MiniLM embedder with the on-disk embedding cache the smoke run uses, shared by the tests
+    that index the 1000-passage sample (each back end's recall test) and the notebook kernels: the sample is
+    embedded once per machine (~40 s on 2 CPU cores), not once per back end and process."""
+    from scope_lib.retrieval import EmbeddingCache, MiniLMOfflineEmbedder
+
+    embedder = MiniLMOfflineEmbedder(device="cpu", batch_size=16)
+    embedder.cache = EmbeddingCache(embedder.model_id)
+    return embedder
+

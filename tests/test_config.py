@@ -14,7 +14,9 @@ MODEL_PARAMS = ["qwen2.5-7b", "qwen3-8b", "olmo3-7b"]
 
 def test_defaults_are_table_9():
     p = Params()
-    assert p.grpo.learning_rate == 1e-6 and p.grpo.warmup_ratio == 0.03 and p.grpo.max_grad_norm == 1.0
+    assert p.grpo.learning_rate_for("full") == 1e-6 and p.grpo.warmup_ratio == 0.03 and p.grpo.max_grad_norm == 1.0
+    assert p.grpo.learning_rate_for("lora") == 1e-5                   # LoRA's own default (10x, documented)
+    assert p.grpo.dual_clip == 3.0 and p.grpo.kl_importance_ratio is False and p.grpo.loss_type == "dapo"
     assert p.grpo.beta == 1e-3 and p.grpo.group_size == 8
     assert p.selfplay.steps_per_role == 20 and p.selfplay.iterations == 3
     assert (p.challenger.batch_size, p.solver.batch_size) == (64, 256)
@@ -28,6 +30,8 @@ def test_defaults_are_table_9():
     assert (p.selfplay.solver_rollouts_train, p.selfplay.solver_rollouts_filter) == (8, 4)
     assert p.selfplay.search_turn_strata == [4, 3, 2] and p.selfplay.target_tasks == 5120
     assert p.selfplay.task_types == ["long_form_qa", "summarisation", "planning", "writing"]
+    assert p.selfplay.rollout_prompt_tokens == 2048                     # "rollout prompt length"
+    assert p.solver.max_searches == 5 and p.solver.turn_limit == 6     # §4.1: 5 searches, then the answer
 
 
 @pytest.mark.parametrize("name", MODEL_PARAMS)
@@ -46,6 +50,26 @@ def test_every_params_file_loads():
     assert len(files) >= 7
     for f in files:
         load_params(f)
+
+
+@pytest.mark.parametrize(("name", "check"), [
+    ("no-co-evolution", lambda p: p.selfplay.co_evolution is False),
+    ("without-writing", lambda p: p.selfplay.task_types == ["long_form_qa", "summarisation", "planning"]),
+    ("without-long-form-qa", lambda p: "long_form_qa" not in p.selfplay.task_types and len(p.selfplay.task_types) == 3),
+    ("judge-rubrics-qwen3-4b", lambda p: p.judge.rubric_model == "Qwen/Qwen3-4B" and p.judge.grader_model is None),
+    ("judge-grader-qwen3-4b", lambda p: p.judge.grader_model == "Qwen/Qwen3-4B" and p.judge.rubric_model is None),
+    ("six-iterations", lambda p: p.selfplay.iterations == 6),
+])
+def test_ablation_files(name, check):
+    p = load_params(REPO / "params" / "ablations" / f"{name}.yaml")
+    assert check(p) and p.model.base == "Qwen/Qwen3-8B"
+    assert p.run.name != "qwen3-8b"                                   # its own run folder
+
+
+def test_no_quality_gates_ablation_file():
+    p = load_params(REPO / "params" / "ablations" / "no-quality-gates.yaml")
+    assert p.judge.gates == [] and p.model.base == "Qwen/Qwen3-8B"
+    assert load_params().judge.gates == ["entity_identifiability", "source_relevance"]
 
 
 def test_inherit_merges_section_by_section():

@@ -101,3 +101,19 @@ def test_parsers_never_raise(text):
     for d in DIALECTS.values():
         for candidate in (text, d.search_open + text, d.search_open + text + d.search_close):
             assert d.parse_search(candidate).kind in {"search", "malformed", "none"}
+
+
+@pytest.mark.parametrize("name", list(DIALECTS))
+def test_history_helpers_take_messages_without_text(name, tiny_tokenizer):
+    """A message whose content is None (or missing) renders as empty text; nothing raises (issue #11)."""
+    d = get_dialect(name)
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None},
+            {"role": "tool", "content": None}, {"role": "assistant"}, {"role": "assistant", "content": 7}]
+    seen = d.render_history(msgs, keep_last=False)
+    assert [m["content"] for m in seen] == ["q", "", "", "", ""]
+    assert [m["role"] for m in seen] == [m["role"] for m in msgs]
+    assert d.render_history(msgs)[1]["content"] == ""
+    for value in (None, 3, b"<think>x</think>", ["a"]):
+        assert strip_thinking(value) == ""
+    tail = d.environment_text(tiny_tokenizer, [d.results_message("Doc 1 (Title: A)\nB")])
+    assert "Doc 1" in tail

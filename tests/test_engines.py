@@ -474,3 +474,164 @@ def test_make_engine(model, tokenizer, tiny_corpus, tmp_path, monkeypatch):
                                          "retrieval": {"corpus": str(tiny_corpus)}}), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="role"):
         make_engine(params, "critic")
+
+
+# -- context caps, secrets and rate limits (issue #11, items 6 and 10) -----------------------------
+
+SECRET = "sk-test-TOPSECRET-0123456789"
+
+
+class _Strict(BaseHTTPRequestHandler):
+    """A loopback server with vLLM's strictness and a careless error body.
+
+    - a request whose prompt plus max_tokens exceeds `max_model_len` gets HTTP 400 (as `vllm serve` does);
+    - `mode` "echo": every request fails with the request headers echoed in the error body (API key included);
+    - `mode` "ratelimit": the first request gets 429 with `Retry-After`, later ones succeed;
+    - `mode` "text-only": token-id prompts get 400, text prompts succeed.
+    """
+
+    server: ThreadingHTTPServer
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        state = self.server.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with state["lock"]:
+            state["bodies"].append((time.monotonic(), body))
+            state["authorization"] = self.headers.get("Authorization")
+            n = len(state["bodies"])
+        mode = state["mode"]
+        if mode == "echo":
+            status = 500 if state.get("status_5xx") else 401
+            return self._reply(status, {"error": "bad request", "headers": dict(self.headers.items())})
+        if mode == "ratelimit" and n == 1:
+            return self._reply(429, {"error": "slow down"}, {"Retry-After": str(state["retry_after"])})
+        prompt = body["prompt"]
+        if isinstance(prompt, list):
+            if mode == "text-only":
+                return self._reply(400, {"error": "prompt must be a string"})
+            length = len(prompt)
+        else:
+            length = len(state["tokenizer"].encode(prompt, add_special_tokens=False))
+        if length + body["max_tokens"] > state["max_model_len"]:
+            return self._reply(400, {"error": f"This model's maximum context length is {state['max_model_len']}"})
+        ids = state["tokenizer"].encode(" river", add_special_tokens=False)[: body["max_tokens"]]
+        return self._reply(200, {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "length"}]})
+
+    def _reply(self, status, payload, headers=None):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                           **(headers or {})}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@contextmanager
+def strict_server(tokenizer, mode="ok", **state):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Strict)
+    server.state = {"lock": threading.Lock(), "bodies": [], "mode": mode, "tokenizer": tokenizer,
+                    "max_model_len": 64, **state}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_request_is_capped_at_the_context(tokenizer):
+    """A batch asks for its largest budget; each request must ask only what its prompt leaves room for."""
+    short, long = [1] * 10, [1] * 60
+    with strict_server(tokenizer) as (url, state):
+        engine = OpenAIEngine(url, "m", tokenizer, prompt_format="tokens", max_model_len=64, backoff_s=0.01)
+        out = engine.generate([short, long, [1] * 64], Sampling(max_new_tokens=50))
+        sent = sorted(b["max_tokens"] for _, b in state["bodies"])
+        assert sent == [4, 50]                       # 64 - 60 and the full 50; nothing sent for the full prompt
+        assert out[2].token_ids == [] and out[2].finish_reason == "length"
+        assert all(len(c.token_ids) <= 64 - len(p) for c, p in zip(out, [short, long, [1] * 64]))
+        engine.close()
+        uncapped = OpenAIEngine(url, "m", tokenizer, prompt_format="tokens", backoff_s=0.01)
+        with pytest.raises(EngineRequestError, match="maximum context length"):
+            uncapped.generate([short, long], Sampling(max_new_tokens=50))
+        uncapped.close()
+
+
+def test_hf_engine_caps_each_prompt_at_the_context(model, tokenizer):
+    prompts = chat_prompts(tokenizer, QUESTIONS[:2])
+    room = 3
+    engine = HFEngine(model, tokenizer, max_model_len=len(prompts[1]) + room)
+    out = engine.generate(prompts + [[1] * (len(prompts[1]) + room)], Sampling(max_new_tokens=20, seed=0))
+    assert len(out[1].token_ids) <= room
+    assert len(out[0].token_ids) <= len(prompts[1]) + room - len(prompts[0])
+    assert out[2].token_ids == [] and out[2].finish_reason == "length" and out[2].logprobs == []
+
+
+def test_probe_does_not_take_a_context_error_for_unsupported_token_prompts(tokenizer):
+    with strict_server(tokenizer) as (url, state):
+        engine = OpenAIEngine(url, "m", tokenizer, prompt_format="auto", backoff_s=0.01)  # no cap known
+        with pytest.raises(EngineRequestError, match="maximum context length"):
+            engine.generate([[1] * 60], Sampling(max_new_tokens=50))
+        assert engine.prompt_format == "auto"        # undecided: the server does take token prompts
+        engine.generate([[1] * 10], Sampling(max_new_tokens=5))
+        assert engine.prompt_format == "tokens"
+        engine.close()
+    with strict_server(tokenizer, "text-only") as (url, state):
+        engine = OpenAIEngine(url, "m", tokenizer, prompt_format="auto", backoff_s=0.01)
+        out = engine.generate(chat_prompts(tokenizer, QUESTIONS[:1]), Sampling(max_new_tokens=2))
+        assert engine.prompt_format == "text" and out[0].token_ids
+        engine.close()
+
+
+@pytest.mark.parametrize("status_5xx", [False, True])
+def test_credentials_never_reach_errors_or_logs(tokenizer, caplog, status_5xx):
+    caplog.set_level("DEBUG", logger="scope_lib.engines")
+    with strict_server(tokenizer, "echo", status_5xx=status_5xx) as (url, state):
+        engine = OpenAIEngine(url, "m", tokenizer, api_key=SECRET, prompt_format="auto", max_retries=1,
+                              backoff_s=0.01)
+        with pytest.raises((EngineRequestError, EngineUnavailable)) as raised:
+            engine.generate(chat_prompts(tokenizer, QUESTIONS[:1]), Sampling(max_new_tokens=2))
+        engine.close()
+    assert state["authorization"] == f"Bearer {SECRET}"      # the server saw the key and echoed it back
+    assert "401" in str(raised.value) or "500" in str(raised.value)
+    assert SECRET not in str(raised.value) and "TOPSECRET" not in str(raised.value)
+    assert "***" in str(raised.value)                      # the echoed header is there, redacted
+    assert SECRET not in caplog.text
+
+
+def test_redact_patterns():
+    from scope_lib.engines import redact
+
+    text = ('{"authorization": "Bearer abcdef123456", "x-api-key": "k-998877665544"} '
+            'token sk-proj-ABCDEFGH12345678 and mykey-12345')
+    out = redact(text, ["mykey-12345"])
+    for leaked in ("abcdef123456", "k-998877665544", "sk-proj-ABCDEFGH12345678", "mykey-12345"):
+        assert leaked not in out
+    assert redact("no secrets in here: HTTP 500", ["sk-x"]) == "no secrets in here: HTTP 500"
+
+
+def test_retry_after_is_honoured_and_429_backs_off_longer(tokenizer):
+    import httpx
+
+    from scope_lib.engines import retry_after_s
+
+    assert retry_after_s("2") == 2.0 and retry_after_s("-3") == 0.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
+    assert retry_after_s("soon") is None and retry_after_s(None) is None and retry_after_s("nan") is None
+    from scope_lib.engines import backoff_s
+
+    assert backoff_s(0, 0.1, 5, httpx.Response(503)) == pytest.approx(0.1)
+    assert backoff_s(0, 0.1, 5, httpx.Response(429)) == pytest.approx(0.4)     # a rate limit waits longer
+    assert backoff_s(1, 0.1, 5, httpx.Response(429)) == pytest.approx(0.8)
+    assert backoff_s(0, 0.1, 5, httpx.Response(503, headers={"Retry-After": "3"})) == pytest.approx(3.0)
+    assert backoff_s(0, 0.1, 5, httpx.Response(429, headers={"Retry-After": "999"})) == pytest.approx(5.0)  # capped
+    with strict_server(tokenizer, "ratelimit", retry_after=0.5) as (url, state):
+        engine = OpenAIEngine(url, "m", tokenizer, prompt_format="tokens", backoff_s=0.01, max_retries=2)
+        out = engine.generate([[1] * 5], Sampling(max_new_tokens=1))
+        engine.close()
+    (t0, _), (t1, _) = state["bodies"]
+    assert out[0].token_ids and t1 - t0 >= 0.45       # waited for Retry-After, not the 0.04 s backoff

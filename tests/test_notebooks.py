@@ -18,7 +18,7 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 def test_the_numbered_notebooks_exist():
     names = [p.stem for p in NOTEBOOKS]
-    assert names[:3] == ["01_retrieval_setup", "02_prompts_and_gates", "03_rubric_analysis"]
+    assert names[:4] == ["01_retrieval_setup", "02_prompts_and_gates", "03_rubric_analysis", "04_grpo_training"]
     assert notebook_paths(REPO, ["02"]) == [REPO / "notebooks" / "02_prompts_and_gates.ipynb"]
 
 

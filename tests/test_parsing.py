@@ -130,7 +130,10 @@ def test_qwen3_leading_closer_means_the_prompt_opened_thinking():
     text = "The user wants X. <score>1</score> hmm\n</think>\n\n<score>0</score>"
     assert parse_score(text) == 0
     assert strip_think(text) == "\n\n<score>0</score>"
-    assert count_think_blocks(text) == 1 and starts_with_think(text)
+    # the text before a lone closer is hidden, but it is a thinking block only if the template opened it
+    assert count_think_blocks(text) == 0 and not starts_with_think(text) and not has_think(text)
+    assert count_think_blocks(text, starts_in_think=True) == 1 and starts_with_think(text, starts_in_think=True)
+    assert strip_think("x</think>y</think>z") == "y</think>z"       # only the first, leading closer hides
     # a stray closer AFTER a complete block stays visible
     assert strip_think("<think>a</think>b</think>c") == "b</think>c"
 

@@ -138,7 +138,7 @@ def test_budgets_are_enforced(params, retriever, passages, tiny_tokenizer):
     for traj in trajs:
         assert len(traj.completion_ids) <= 150 + 400            # the last environment turn may exceed it
         assert all(b - a <= 12 for a, b in traj.turn_spans)
-        assert traj.finish in {"length", "budget", "search_limit", "no_action", "max_turns"}
+        assert traj.finish in {"length", "budget", "search_limit", "no_action", "max_turns", "turn_limit"}
     limits.max_prompt_tokens = 10
     _, short = _challenger_batch(passages, dialect, tok, n=2)
     calls = engine.calls
@@ -251,3 +251,78 @@ def test_rubric_analysis_tables(params, retriever, passages, tiny_tokenizer):
     assert len(pairs) == len(verdicts)
     regraded = judge.grade([p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs])
     assert grader_agreement([p[3] for p in pairs], regraded)["agreement"] == 1.0
+
+
+def _solver_run(params, retriever, tok, engine, max_searches, n=2):
+    p = params.model_copy(deep=True)
+    p.solver.max_turns = None                       # the default: every search, then the answer
+    p.solver.max_searches = max_searches
+    dialect = engine.dialect
+    trajs = [new_trajectory(f"s{i}", "solver", solver_messages("Explain how Evan Morris are connected.", dialect,
+                                                               max_searches), tok, max_searches=max_searches)
+             for i in range(n)]
+    return trajs, run_rollouts(trajs, engine, retriever, dialect, solver_limits(p)), solver_limits(p)
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+def test_a_solver_that_uses_every_search_can_still_answer(name, params, retriever, tiny_tokenizer):
+    """§4.1: up to 5 searches, then the answer. The turn budget follows the search budget (issue #11)."""
+    dialect, tok = get_dialect(name), tiny_tokenizer
+    engine = ScriptedEngine(tok, dialect, solver_searches=5)
+    trajs, stats, limits = _solver_run(params, retriever, tok, engine, max_searches=5)
+    assert limits.max_turns == 6
+    for traj in trajs:
+        assert traj.finish == "answer" and traj.answer and traj.n_valid_searches == 5
+        assert len(traj.turns) == 6 and traj.env_mask[-1] == 1     # the rollout ends on the model's answer
+    assert stats.retrieval_calls == 5 and stats.engine_calls == 6
+
+
+def test_no_retrieval_for_a_turn_that_cannot_be_followed(params, retriever, tiny_tokenizer):
+    dialect, tok = get_dialect("qwen2.5"), tiny_tokenizer
+
+    class CountingRetriever:
+        def __init__(self):
+            self.queries = 0
+
+        def search(self, queries, k=None):
+            self.queries += len(queries)
+            return retriever.search(queries, k)
+
+    # a Solver that never stops searching: its 4th search (of 3 allowed) ends the episode, unanswered
+    counting = CountingRetriever()
+    trajs, stats, _ = _solver_run(params, counting, tok, ScriptedEngine(tok, dialect, solver_searches=99), 3)
+    assert all(t.finish == "search_limit" and t.n_valid_searches == 3 and len(t.turns) == 4 for t in trajs)
+    assert counting.queries == 3 * len(trajs) and all(t.env_mask[-1] == 1 for t in trajs)
+
+    # a Solver whose every action is malformed: corrected while turns remain, never after the last turn
+    def malformed(role, context):
+        return "<think>try</think><search>never closed" if role == "solver" else None
+
+    trajs, stats, limits = _solver_run(params, retriever, tok, ScriptedEngine(tok, dialect, override=malformed), 2)
+    for traj in trajs:
+        assert traj.finish == "turn_limit" and len(traj.turns) == limits.max_turns == 3
+        assert traj.env_mask[-1] == 1                               # nothing appended after the last turn
+        # the environment corrected the first two; the third, in the last turn, got no reply
+        assert sum(1 for s in traj.searches if not s.valid) == 2 and stats.retrieval_calls == 0
+
+    # the response budget: a search turn that uses it up exactly is not retrieved either
+    searching, _, _ = _solver_run(params, retriever, tok, ScriptedEngine(tok, dialect, solver_searches=5), 2, n=1)
+    first_turn = searching[0].turn_spans[0][1] - searching[0].turn_spans[0][0]
+    p = params.model_copy(deep=True)
+    p.solver.max_response_tokens = first_turn
+    engine = ScriptedEngine(tok, dialect, solver_searches=5)
+    traj = new_trajectory("b", "solver", solver_messages("Explain how Evan Morris are connected.", dialect, 2),
+                          tok, max_searches=2)
+    counting = CountingRetriever()
+    run_rollouts([traj], engine, counting, dialect, solver_limits(p))
+    assert dialect.parse_search(traj.turns[0]).valid and len(traj.completion_ids) == first_turn
+    assert counting.queries == 0 and traj.finish == "turn_limit" and traj.env_mask[-1] == 1
+
+
+def test_solver_turns_must_leave_room_to_answer(params):
+    from scope_lib.config import ParamsError, load_params
+
+    with pytest.raises(ParamsError, match="max_searches \\+ 1"):
+        load_params(REPO / "params" / "smoke.yaml", ["solver.max_searches=3", "solver.max_turns=3"])
+    assert load_params(REPO / "params" / "smoke.yaml", ["solver.max_turns=null"]).solver.turn_limit == 3
+    assert load_params().solver.turn_limit == 6                       # paper: 5 searches, then the answer

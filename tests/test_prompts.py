@@ -114,19 +114,24 @@ def test_environment_messages():
 def test_solver_prompt_renders(dialect):
     text = prompts.solver_prompt(TASK, 4, SEARCH_EXAMPLES[dialect], "between <information> and </information>")
     _no_placeholders(text)
-    for piece in (TASK, SEARCH_EXAMPLES[dialect], "<information>", "at most 4", "<think>", "<answer>", "</answer>"):
+    for piece in (TASK, SEARCH_EXAMPLES[dialect], "<information>", "up to 4", "<think>", "<answer>", "</answer>"):
         assert piece in text
     assert text.rstrip().endswith(f"Question: {TASK}")
-    assert "illustration" not in text  # the authors' phrase contradicts long-form tasks (weak spot 10)
-    assert "complete" in text
+    # the paper's Figure 10 by default: a direct answer "without detailed illustrations"
+    assert "without detailed illustrations" in text and "<answer> Beijing </answer>" in text
+    long_form = prompts.solver_prompt(TASK, 4, SEARCH_EXAMPLES[dialect], "below", variant="long_form")
+    assert "illustration" not in long_form and "complete final response" in long_form
+    assert long_form.rstrip().endswith(f"Question: {TASK}")
+    with pytest.raises(ValueError, match="long_form"):
+        prompts.solver_prompt(TASK, 4, SEARCH_EXAMPLES[dialect], "below", variant="essay")
 
 
 def test_solver_budget_instructions():
     plain = prompts.solver_prompt(TASK, 3, SEARCH_EXAMPLES["qwen2.5"], "below")
     budget = prompts.solver_prompt(TASK, 3, SEARCH_EXAMPLES["qwen2.5"], "below",
                                    budget_instructions="Keep your answer under 800 words.")
-    assert "short answer).\n\nQuestion:" in plain
-    assert "short answer). Keep your answer under 800 words.\n\nQuestion:" in budget
+    assert "Beijing </answer>.\n\nQuestion:" in plain
+    assert "Beijing </answer>. Keep your answer under 800 words.\n\nQuestion:" in budget
 
 
 # -- Judge --------------------------------------------------------------------------------------------------
@@ -138,11 +143,17 @@ def test_rubric_prompt_renders(task_type):
     _no_placeholders(text)
     for piece in (prompts.TASK_TYPES[task_type].name, TASK, "Document 1:\n" + DOC, "Document 2:\nA second document.",
                   "3 to 5", "25 words", "critical", "important", "bonus", "THIS task", "objectively",
-                  "<rubrics>", "</rubrics>", '<rubric priority="critical">', "names, numbers, dates"):
+                  "<rubrics>", "</rubrics>", '<rubric priority="critical">'):
         assert piece in text, piece
     for verb in ("Addresses", "Demonstrates", "Provides", "Incorporates", "Synthesises", "Identifies",
                  "Explains", "Compares", "Evaluates", "Integrates", "Supports", "Applies"):
         assert verb in text
+    # Figure 12 has four rules; the grounding rule is the named option `judge.rubric_prompt: grounded`
+    assert "4. **Discriminative" in text and "5. **" not in text and "names, numbers, dates" not in text
+    assert "is met?\n\n## Output Format" in text
+    grounded = prompts.rubric_prompt(task_type, TASK, [DOC], variant="grounded")
+    assert "is met?\n5. **Grounding**" in grounded and "names, numbers, dates" in grounded
+    _no_placeholders(grounded)
 
 
 def test_rubric_prompt_documents_must_be_a_list():
@@ -213,4 +224,12 @@ def test_missing_or_bad_values_raise_value_error(call):
 def test_missing_placeholder_value_names_it(monkeypatch):
     with pytest.raises(ValueError, match="'solver' needs a value for question"):
         prompts._render("solver", max_search_turns=1, search_example="s", results_description="r",
-                        budget_instructions="")
+                        answer_instruction="a", budget_instructions="")
+
+
+@pytest.mark.parametrize("stage", ["gates", "rubrics", "grading"])
+def test_judge_retry_adds_a_corrective_instruction(stage):
+    base = prompts.grader_prompt(TASK, "An answer.", "Identifies X.")
+    text = prompts.judge_retry(base, stage)
+    assert text.startswith(base) and len(text) > len(base)
+    assert ("<rubrics>" if stage == "rubrics" else "<score>0</score> or <score>1</score>") in text[len(base):]

@@ -17,10 +17,13 @@ from scope_lib.retrieval import (
     RetrievalError,
     RetrieverUnavailable,
     build_index,
+    build_or_open_index,
     open_retriever,
     passages_sha256,
 )
 from scope_lib.retrieval_server import background_server
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +61,12 @@ def test_default_topk_and_documents_without_scores(server):
     assert len(items) == 3 and set(items[0]) == {"id", "contents"}
 
 
-def test_health_reports_documents_and_embedder(server):
+def test_health_reports_documents_embedder_and_fingerprint(server, index):
     body = httpx.get(f"{server}/health").json()
-    assert body == {"status": "ok", "documents": 300, "embedder": "scope-hashing (hashing-v1-dim384)"}
+    assert {k: body[k] for k in ("status", "documents", "embedder")} == \
+        {"status": "ok", "documents": 300, "embedder": "scope-hashing (hashing-v1-dim384)"}
+    assert body["fingerprint"]["scope_corpus_sha256"] == index.fingerprint["scope_corpus_sha256"]
+    assert body["index"] == index.describe() and body["searches"] <= body["requests"]
 
 
 def test_http_retriever_round_trips_hits(server, index):
@@ -156,3 +162,143 @@ def test_background_server_round_trip_and_shutdown():
         assert [r[0]["document"]["contents"] for r in body["result"]] == ['"T"\na', '"T"\nb']
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+# -- hostile input (issue #11): a clear 4xx, never a 500 -------------------------------------------------
+
+RAW_HOSTILE = [
+    b'{"queries": ["a"], "topk": 1e400}', b'{"queries": ["a"], "topk": -1e400}', b'{"queries": ["a"], "topk": NaN}',
+    b'{"queries": ["a"], "topk": Infinity}', b'{"queries": ["a"], "topk": -Infinity}',
+    b'{"queries": ["\\ud800"]}', b'{"queries": ["ok", "\\udfff tail"]}', b'{"queries": ["\\ud800"], "topk": 0}',
+    b'{"queries": ["a"], "topk": 1e400, "return_scores": NaN}', b'{"queries": [NaN]}', b'{"queries": [1e400]}',
+    b'{"queries": ["a"], "topk": 3.0}', b'{"queries": ["a"], "topk": 3.5}', b'{"queries": ["a"], "topk": true}',
+    b'{"queries": ["a"], "topk": null, "return_scores": null}', b'{"queries": ["a"], "topk": [3]}',
+    b'{"queries": ["a"], "topk": {"n": 3}}', b'{"queries": ["a"], "topk": 99999999999999999999999}',
+    b'{"queries": ["a"], "topk": -1}', b'{"queries": {"0": "a"}}', b'{"queries": [["a"]]}', b'{"queries": [null]}',
+    b'{"queries": [""], "topk": NaN}', b'\xff\xfe{"queries": ["a"]}',
+    b'{"queries": ["\xff\xfe"]}', b'{"queries": ["a"]} trailing', b'[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]',
+    b'{"queries": ' + b'[' * 5000 + b']' * 5000 + b'}', b'"just a string"', b'12', b'true',
+    b'{"queries": ["a"], "queries": 5}', b'{"QUERIES": ["a"]}', b'{"queries": ["' + b'x' * 9000 + b'"]}',
+]
+
+
+@pytest.mark.parametrize("body", RAW_HOSTILE, ids=[f"raw{i}" for i in range(len(RAW_HOSTILE))])
+def test_hostile_bodies_get_a_clear_4xx_never_a_500(server, body):
+    response = httpx.post(f"{server}/retrieve", content=body, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, (body[:80], response.status_code, response.text[:300])
+    assert response.json()["detail"]  # a body the client can read, naming what was wrong
+
+
+@pytest.mark.parametrize("body, where", [
+    (b'{"queries": ["a"], "topk": 1e400}', "topk"), (b'{"queries": ["a"], "topk": NaN}', "topk"),
+    (b'{"queries": ["\\ud800"]}', "queries"), (b'{"queries": ["a"], "topk": -Infinity}', "topk"),
+])
+def test_non_finite_topk_and_lone_surrogates_name_the_field(server, body, where):
+    response = httpx.post(f"{server}/retrieve", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert any(where in error["loc"] for error in response.json()["detail"])
+
+
+def test_server_keeps_answering_after_hostile_input(server, index):
+    for body in RAW_HOSTILE[:10]:
+        httpx.post(f"{server}/retrieve", content=body, headers={"content-type": "application/json"})
+    response = httpx.post(f"{server}/retrieve", json={"queries": ["Horse Mesa Dam"], "topk": 1})
+    assert response.status_code == 200 and response.json()["result"][0][0]["document"]["id"] == "14"
+
+
+# -- batching across clients ------------------------------------------------------------------------------
+
+
+class _Counting:
+    """A real index that records each search call (and is slow enough for requests to pile up)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def search(self, queries, k=None):
+        self.calls.append((len(queries), k))
+        time.sleep(0.05)
+        return self.inner.search(queries, k)
+
+
+def test_concurrent_clients_share_batched_searches(index):
+    from concurrent.futures import ThreadPoolExecutor
+
+    counting = _Counting(index)
+    queries = [f"Horse Mesa Dam {i}" if i % 2 else f"Genentech lobbyist {i}" for i in range(24)]
+    with background_server(counting) as url:
+        def ask(i):
+            k = 1 + i % 3
+            return i, k, httpx.post(f"{url}/retrieve", json={"queries": queries[i:i + 2], "topk": k}, timeout=30)
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(24)))
+        health = httpx.get(f"{url}/health").json()
+    assert health["requests"] == 24 and health["searches"] == len(counting.calls) < 24
+    assert max(n for n, _ in counting.calls) > 2  # requests were merged
+    for i, k, response in answers:  # each got its own queries' hits, cut to its own topk
+        want = index.search(queries[i:i + 2], k)
+        got = response.json()["result"]
+        assert [[item["document"]["id"] for item in row] for row in got] == [[h.id for h in hs] for hs in want]
+
+
+def test_one_failing_request_does_not_fail_the_requests_batched_with_it(index):
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Picky(_Counting):
+        def search(self, queries, k=None):
+            if any("poison" in q for q in queries):
+                self.calls.append((len(queries), k))
+                raise RuntimeError("poisoned query")
+            return super().search(queries, k)
+
+    picky = Picky(index)
+    with background_server(picky) as url:
+        def ask(q):
+            return httpx.post(f"{url}/retrieve", json={"queries": [q]}, timeout=30).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(ask, ["dam", "poison", "lake", "orchid"] * 4))
+    assert codes == [200, 503, 200, 200] * 4
+
+
+# -- faiss and bm25 behind the server ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["faiss", "bm25"])
+def store_backend(request, wiki_sample, tmp_path_factory):
+    params = load_params(overrides={
+        "run.runs_dir": str(tmp_path_factory.mktemp(request.param)), "retrieval.corpus": str(wiki_sample),
+        "retrieval.backend": request.param, "retrieval.embedder": "hashing", "retrieval.max_passages": 300})
+    return params, build_or_open_index(params, progress=False)
+
+
+def test_faiss_and_bm25_through_the_retrieve_server(store_backend):
+    params, local = store_backend
+    queries = ["Horse Mesa Dam Apache Lake", "", "Which lobbyist for Genentech died in 2015?"]
+    with background_server(local, default_topk=3) as url:
+        remote = HttpRetriever(url, timeout_s=10).search(queries, 3)
+        health = httpx.get(f"{url}/health").json()
+    want = local.search(queries, 3)
+    assert [[(h.id, h.title, h.text) for h in hs] for hs in remote] == [[(h.id, h.title, h.text) for h in hs]
+                                                                       for hs in want]
+    assert remote[0][0].id == "14" and remote[1] == []
+    assert health["documents"] == 300 and health["index"].startswith(params.retrieval.backend)
+
+
+def test_scope_serve_retrieval_serves_a_faiss_index(wiki_sample, tmp_path):
+    """The real command, in its own process, over the faiss back end (the index is built on first use)."""
+    import sys
+
+    from servers import server_process
+
+    port = free_port()
+    scope = Path(sys.executable).parent / "scope"
+    command = [str(scope), "serve", "retrieval", "--params", str(REPO / "params" / "smoke.yaml"), "--port", str(port),
+               "-o", f"run.runs_dir={tmp_path}", "-o", f"retrieval.corpus={wiki_sample}", "-o", "retrieval.backend=faiss",
+               "-o", "retrieval.embedder=hashing", "-o", "retrieval.max_passages=200"]
+    with server_process(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log", timeout_s=120):
+        client = HttpRetriever(f"http://127.0.0.1:{port}", timeout_s=10)
+        hits = client.search(["Horse Mesa Dam Apache Lake"], 2)
+        assert hits[0][0].id == "14" and len(hits[0]) == 2
+        assert client.health()["index"].startswith("faiss Flat (exact): 200 passages")

@@ -285,7 +285,29 @@ def test_solver_format_single_turn_tool_is_zero():
     assert fmt.total == approx(2 / 3)
 
 
-def test_solver_format_qwen3_leading_closer_counts_as_thinking():
+def test_a_lone_closer_earns_think_credit_only_when_the_template_opened_thinking():
+    turns = ["reasoning...</think>\n<answer>x</answer>"]
+    assert solver_format(turns, 0, "x").think == 0.0          # the model never wrote <think>
+    assert challenger_format(["</think><task>T</task>"], 0, 0, 0, "T").think == 0.0
     # the chat template opened <think> in the prompt; the completion holds only the closer
-    fmt = solver_format(["reasoning...</think>\n<answer>x</answer>"], 0, "x")
-    assert fmt.think == 1.0
+    assert solver_format(turns, 0, "x", starts_in_think=True).think == 1.0
+    assert challenger_format(["</think><task>T</task>"], 0, 0, 0, "T", starts_in_think=True).think == 1.0
+
+
+@pytest.mark.parametrize(("g", "tent", "spice", "ssp"), [
+    (0.5, 1.0, 1.0, 0.5), (0.0, 0.0, math.exp(-0.0625 / 0.02), 1.0), (1.0, 0.0, math.exp(-0.0625 / 0.02), 0.0),
+    (0.25, 0.5, math.exp(-((0.1875 - 0.25) ** 2) / 0.02), 0.75)])
+def test_challenger_reward_shapes(g, tent, spice, ssp):
+    """Hand-computed f_diff for the paper's tent and the related methods' shapes (related-methods.md)."""
+    assert difficulty_reward(g) == approx(tent)
+    assert difficulty_reward(g, shape="rzero") == approx(tent)          # the tent at tau = 1/2
+    assert difficulty_reward(g, shape="spice") == approx(spice)
+    assert difficulty_reward(g, shape="ssp") == approx(ssp)
+    assert challenger_reward(1.0, True, g, shape="ssp") == approx(0.5 + ssp)
+
+
+def test_rzero_differs_from_the_tent_off_centre():
+    assert difficulty_reward(0.3, target=0.3) == 1.0
+    assert difficulty_reward(0.3, target=0.3, shape="rzero") == approx(0.6)
+    with pytest.raises(ValueError, match="tent, rzero, spice, ssp"):
+        difficulty_reward(0.5, shape="gaussian")

@@ -46,3 +46,37 @@ def test_stage_sentinel(tmp_path):
     stage.mark_done({"tasks": 4})
     assert Stage(tmp_path / "iter_01" / "pool").done
     assert json.loads((stage.path / "DONE").read_text()) == {"tasks": 4}
+
+
+def test_retain_drops_unfinished_work_atomically(tmp_path):
+    log = RecordLog(tmp_path / "c.jsonl")
+    log.append([{"id": f"a{i}", "chunk": i // 2} for i in range(6)])
+    assert log.retain(lambda r: r["chunk"] < 2) == 2
+    again = RecordLog(tmp_path / "c.jsonl")
+    assert [r["id"] for r in again] == ["a0", "a1", "a2", "a3"] and "a4" not in again
+    assert again.append([{"id": "a4", "chunk": 2}]) == 1                  # redone once, not twice
+    assert RecordLog(tmp_path / "empty.jsonl").path.is_file()             # an empty log exists as a file
+
+
+def test_reset_restarts_an_unfinished_stage_only(tmp_path):
+    stage = Stage(tmp_path / "iter_01" / "solver")
+    (stage.path / "rollouts.jsonl").write_text('{"id": "x"}\n')
+    (stage.path / "trainer").mkdir()
+    stage.reset()
+    assert list(stage.path.iterdir()) == []
+    stage.mark_done({"steps": 2})
+    assert stage.summary == {"steps": 2}
+    with pytest.raises(RuntimeError, match="finished"):
+        stage.reset()
+
+
+def test_manifest_refuses_to_resume_with_other_parameters(tmp_path):
+    from scope_lib.runs import write_manifest
+
+    path = write_manifest(tmp_path, "a: 1\n", science="a: 1\n", seeds={"selfplay": 42})
+    manifest = json.loads(path.read_text())
+    assert manifest["seeds"] == {"selfplay": 42} and manifest["packages"]["torch"]
+    assert "sha" in manifest["git"] and (tmp_path / "params.yaml").read_text() == "a: 1\n"
+    write_manifest(tmp_path, "a: 1\nrun: moved\n", science="a: 1\n")      # the same science: fine
+    with pytest.raises(RuntimeError, match="other parameters"):
+        write_manifest(tmp_path, "a: 2\n", science="a: 2\n")

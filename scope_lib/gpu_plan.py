@@ -1,0 +1,249 @@
+"""`scope plan`: GPU memory of a SCOPE run, per GPU, before any GPU is rented.
+
+    report = plan_gpu(params, gpu_gib=80, gpus=1)
+    print(report.table()); report.fits
+
+Arithmetic from the model's architecture (its config.json, or the table below for the paper's models):
+
+- weights: parameters × bytes of `model.dtype`;
+- LoRA (`model.finetuning: lora`): the adapters on all seven linear projections of every layer, float32; the
+  trained one with its gradient and two AdamW moments (16 bytes per parameter), the frozen other one 4 bytes;
+- full fine-tuning: the trained copy with bf16 gradients, a float32 master copy and AdamW (16 bytes per
+  parameter) sharded over the GPUs (ZeRO-3 / FSDP), plus the frozen M0 (Judge and reference);
+- activations of one micro-batch (`grpo.per_device_batch_size` rows of prompt + response tokens): with gradient
+  checkpointing the input of every layer plus one layer recomputed with its gradients; without it every
+  layer's intermediates. The log-probabilities are computed in chunks (TRL's fused LM head), so no
+  vocabulary-sized logits are kept;
+- generation: vLLM holds its own copy of the weights (Unsloth's fast inference shares the trainer's) and a
+  KV cache of 2 × layers × KV heads × head dim × 2 bytes per token; the HF engine needs the KV cache of one
+  generation chunk (`engine.max_batch_size` rollouts, all of them when unset).
+
+With vLLM sleeping while the trainer steps (level 1, the base never changes), the two phases peak separately;
+without sleep they add up. Estimates, not measurements: leave the headroom the table shows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scope_lib.config import Params, ParamsError
+
+GIB = 1024 ** 3
+#: Share of a GPU a plan may fill (CUDA context, allocator fragmentation and NCCL buffers take the rest).
+USABLE = 0.92
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What memory depends on in a decoder-only transformer (Qwen2/3, OLMo, Llama shapes)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @property
+    def parameters(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
+        embeddings = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return embeddings + self.layers * per_layer + h
+
+    def lora_parameters(self, rank: int) -> int:
+        """r × (in + out) for q, k, v, o, gate, up and down in every layer ("all-linear", lm_head excluded)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+        return self.layers * sum(rank * (a + b) for a, b in shapes)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_config(cls, config: dict) -> Architecture:
+        text = config.get("text_config", config)
+        heads = text["num_attention_heads"]
+        return cls(layers=text["num_hidden_layers"], hidden=text["hidden_size"],
+                   intermediate=text["intermediate_size"], heads=heads,
+                   kv_heads=text.get("num_key_value_heads") or heads,
+                   head_dim=text.get("head_dim") or text["hidden_size"] // heads, vocab=text["vocab_size"],
+                   tied_embeddings=bool(text.get("tie_word_embeddings", False)))
+
+
+#: The paper's models and the judge-scaling sizes, from their published config.json files.
+KNOWN: dict[str, Architecture] = {
+    "Qwen/Qwen3-8B": Architecture(36, 4096, 12288, 32, 8, 128, 151936),
+    "Qwen/Qwen3-4B": Architecture(36, 2560, 9728, 32, 8, 128, 151936, tied_embeddings=True),
+    "Qwen/Qwen3-1.7B": Architecture(28, 2048, 6144, 16, 8, 128, 151936, tied_embeddings=True),
+    "Qwen/Qwen2.5-7B-Instruct": Architecture(28, 3584, 18944, 28, 4, 128, 152064),
+    "allenai/Olmo-3-7B-Instruct": Architecture(32, 4096, 11008, 32, 32, 128, 100278),
+}
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+
+def architecture(params: Params) -> Architecture:
+    """The architecture of `model.base`: the tiny model's config, a local folder's config.json, or KNOWN."""
+    name = params.model.base
+    if name == "tiny":
+        t = params.model.tiny
+        return Architecture(t.num_layers, t.hidden_size, 3 * t.hidden_size, t.num_heads, max(1, t.num_heads // 2),
+                            t.hidden_size // t.num_heads, t.vocab_size, tied_embeddings=True)
+    config = Path(name) / "config.json"
+    if config.is_file():
+        return Architecture.from_config(json.loads(config.read_text()))
+    if name in KNOWN:
+        return KNOWN[name]
+    raise ParamsError(f"model.base {name!r}: no config.json there and not one of {', '.join(KNOWN)}; point "
+                      "model.base at a local model folder to plan its memory")
+
+
+@dataclass
+class PlanRow:
+    item: str
+    gib: float
+    phase: str          # "train", "generate" or "both"
+    note: str = ""
+
+
+@dataclass
+class GpuPlan:
+    """Per-GPU memory by item and the two phase peaks; `fits` when both stay within USABLE of the GPU."""
+
+    model: str
+    gpu_gib: float
+    gpus: int
+    rows: list[PlanRow] = field(default_factory=list)
+    sleep: bool = True
+    advice: list[str] = field(default_factory=list)
+    vllm: tuple[float, float, int] | None = None   # (its share in GiB, its weights in GiB, one rollout's tokens)
+
+    @property
+    def resident(self) -> float:
+        """What the trainer keeps on the GPU in both phases."""
+        return sum(r.gib for r in self.rows if r.phase == "both")
+
+    def _sum(self, phase: str) -> float:
+        return sum(r.gib for r in self.rows if r.phase in (phase, "both"))
+
+    @property
+    def train_peak(self) -> float:
+        extra = 0.0 if self.sleep else sum(r.gib for r in self.rows if r.phase == "generate")
+        return self._sum("train") + extra
+
+    @property
+    def generate_peak(self) -> float:
+        return self._sum("generate")
+
+    @property
+    def peak(self) -> float:
+        return max(self.train_peak, self.generate_peak)
+
+    @property
+    def fits(self) -> bool:
+        if self.vllm is not None:
+            share, own, _ = self.vllm
+            if share <= own:  # no room for any KV cache
+                return False
+        return self.peak <= USABLE * self.gpu_gib
+
+    def table(self) -> str:
+        lines = [f"GPU memory plan: {self.model} on {self.gpus} GPU(s) of {self.gpu_gib:.0f} GiB "
+                 f"(vLLM sleeps while training: {'yes' if self.sleep else 'no'})", "",
+                 "| item | GiB per GPU | phase | note |", "|---|---|---|---|"]
+        lines += [f"| {r.item} | {r.gib:.2f} | {r.phase} | {r.note} |" for r in self.rows]
+        lines += ["", f"training peak {self.train_peak:.1f} GiB, generation peak {self.generate_peak:.1f} GiB, "
+                  f"usable {USABLE * self.gpu_gib:.1f} GiB: {'FITS' if self.fits else 'DOES NOT FIT'}"]
+        lines += [f"- {a}" for a in self.advice]
+        return "\n".join(lines)
+
+
+def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: str | None = None,
+             sleep: bool = True, unsloth: bool = False) -> GpuPlan:
+    """The per-GPU memory plan of `params` on `gpus` GPUs of `gpu_gib` GiB (see the module docstring)."""
+    arch = architecture(params)
+    engine = engine or params.engine.backend
+    b = DTYPE_BYTES[params.model.dtype]
+    p = arch.parameters
+    report = GpuPlan(params.model.base, gpu_gib, gpus, sleep=sleep)
+    add = report.rows.append
+    weights = p * b / GIB
+    if params.model.finetuning == "lora":
+        lora = arch.lora_parameters(params.model.lora_rank)
+        add(PlanRow("base weights M0 (Judge, reference)", weights, "both", f"{p / 1e9:.2f}B parameters x {b} B"))
+        add(PlanRow("trained adapter + gradient + AdamW (fp32)", 16 * lora / GIB, "both",
+                    f"{lora / 1e6:.1f}M LoRA parameters (r={params.model.lora_rank}) x 16 B"))
+        add(PlanRow("frozen second adapter (fp32)", 4 * lora / GIB, "both", ""))
+    else:
+        add(PlanRow("trained copy: bf16 weights and gradients, fp32 master, AdamW", 16 * p / GIB / gpus, "both",
+                    f"16 B per parameter, sharded over {gpus} GPU(s) (ZeRO-3 / FSDP)"))
+        add(PlanRow("frozen M0 (Judge, reference)", weights / gpus, "both", "sharded with the trainer"))
+    rows, tokens = _micro_batch(params)
+    add(PlanRow("activations of one micro-batch", _activations(arch, rows, tokens, b,
+                                                               params.grpo.gradient_checkpointing) / GIB, "train",
+                f"{rows} row(s) x {tokens} tokens, checkpointing {'on' if params.grpo.gradient_checkpointing else 'off'}"))
+    context = min(params.model.max_model_len, max(params.challenger.max_prompt_tokens, params.solver.max_prompt_tokens)
+                  + max(params.challenger.max_response_tokens, params.solver.max_response_tokens))
+    if engine == "vllm":
+        share = params.engine.gpu_memory_utilization * report.gpu_gib
+        own = 0.0 if unsloth else weights
+        kv_tokens = max(0.0, share - own) * GIB / arch.kv_bytes_per_token()
+        add(PlanRow("vLLM: weights + KV cache", share, "generate",
+                    f"engine.gpu_memory_utilization x GPU; KV for {kv_tokens / 1e3:.0f}k tokens = "
+                    f"{kv_tokens / context:.1f} concurrent {context}-token rollouts"
+                    + (" (weights shared with the trainer: Unsloth)" if unsloth else "")))
+        report.vllm = (share, own, context)
+    elif engine == "openai":
+        add(PlanRow("generation", 0.0, "generate", "served on other GPUs (engine.base_url, vllm serve)"))
+    else:
+        chunk = params.engine.max_batch_size or params.solver.batch_size * params.grpo.group_size
+        add(PlanRow("HF generation KV cache", chunk * context * arch.kv_bytes_per_token(b) / GIB, "generate",
+                    f"{chunk} rollouts per generate call (engine.max_batch_size) x {context} tokens"))
+    _advise(report, params, engine)
+    return report
+
+
+def _micro_batch(params: Params) -> tuple[int, int]:
+    """Rows and tokens of the largest training micro-batch (the Solver's, whose rows are longest)."""
+    tokens = max(min(params.model.max_model_len, r.max_prompt_tokens + r.max_response_tokens)
+                 for r in (params.challenger, params.solver))
+    return params.grpo.per_device_batch_size, tokens
+
+
+def _activations(arch: Architecture, rows: int, tokens: int, b: int, checkpointing: bool) -> float:
+    """Bytes of activations kept for the backward pass of one micro-batch (an estimate)."""
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    per_token_layer = b * (4 * arch.hidden + q + 2 * kv + 3 * arch.intermediate)  # norms, qkv, attention out, MLP
+    if checkpointing:
+        saved = rows * tokens * arch.hidden * b * arch.layers
+        return saved + 2 * rows * tokens * per_token_layer
+    return rows * tokens * per_token_layer * arch.layers
+
+
+def _advise(report: GpuPlan, params: Params, engine: str) -> None:
+    usable = USABLE * report.gpu_gib
+    if report.fits:
+        report.advice.append(f"headroom {usable - report.peak:.1f} GiB per GPU")
+        return
+    if params.model.finetuning == "full":
+        report.advice.append("full fine-tuning keeps 16 B per parameter: use LoRA (model.finetuning: lora) on one "
+                             "GPU, or more GPUs with ZeRO-3 / FSDP (scope train launches them per stage)")
+    if report.train_peak > usable:
+        report.advice.append("the training phase is over: lower grpo.per_device_batch_size or keep "
+                             "grpo.gradient_checkpointing on")
+    if report.generate_peak > usable:
+        if engine == "vllm":
+            room = (usable - report.resident) / report.gpu_gib
+            report.advice.append(f"the generation phase is over: set engine.gpu_memory_utilization to at most "
+                                 f"{room:.2f} (what the trainer leaves), or serve inference on other GPUs "
+                                 "(engine.backend: openai with vllm serve)")
+        else:
+            report.advice.append("the generation phase is over: set engine.max_batch_size (rollouts per generate "
+                                 "call), or generate with vLLM")
+    if not report.sleep:
+        report.advice.append("let vLLM sleep while the trainer steps (the phases then peak separately)")

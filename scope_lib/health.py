@@ -1,0 +1,96 @@
+"""Health checks: a run that trains on nothing must say so loudly.
+
+Each check reads one step's metrics (or a stage summary) and returns alarms; `report` logs an alarm as a
+WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health panel shows.
+
+| alarm                 | fires when                                                                   |
+|-----------------------|------------------------------------------------------------------------------|
+| empty_retrieval       | at least 10% of a step's searches came back with no passage                  |
+| zero_spread           | every GRPO group of a step has the same reward for all members (no signal)   |
+| truncated             | at least 90% of a step's rollouts ran out of tokens                          |
+| no_searches           | a step's rollouts made no search at all                                      |
+| judge_parse_failures  | more than 20% of a step's Judge replies never parsed                         |
+| no_reward             | no row of a step could be scored                                             |
+| empty_pool            | no candidate task survived the gates and the difficulty window               |
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EMPTY_RETRIEVAL_SHARE = 0.10
+TRUNCATED_SHARE = 0.90
+JUDGE_FAILURE_SHARE = 0.20
+
+
+def _alarm(name: str, metrics: dict[str, Any], value: Any, threshold: Any, message: str) -> dict[str, Any]:
+    return {"alarm": name, "role": metrics.get("role"), "iteration": metrics.get("iteration"),
+            "step": metrics.get("step"), "value": value, "threshold": threshold, "message": message}
+
+
+def check_step(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Alarms for one training step's metrics (the records of iter_NN/<role>/metrics.jsonl)."""
+    alarms = []
+    empty = m.get("empty_retrieval_rate")
+    if empty is not None and empty >= EMPTY_RETRIEVAL_SHARE:
+        alarms.append(_alarm("empty_retrieval", m, empty, EMPTY_RETRIEVAL_SHARE,
+                             f"{empty:.0%} of searches returned no passage: check the index (`scope index check`)"))
+    spread = m.get("zero_spread_share")
+    if spread is not None and spread >= 1.0:
+        alarms.append(_alarm("zero_spread", m, spread, 1.0,
+                             "every group has identical rewards: all advantages are 0, the step learns nothing"))
+    truncated = m.get("truncation_rate")
+    if truncated is not None and truncated >= TRUNCATED_SHARE:
+        alarms.append(_alarm("truncated", m, truncated, TRUNCATED_SHARE,
+                             f"{truncated:.0%} of rollouts ran out of tokens: raise the token budgets"))
+    searches = m.get("searches_per_rollout")
+    if searches is not None and m.get("rollouts") and searches == 0:
+        alarms.append(_alarm("no_searches", m, searches, 0,
+                             "no rollout searched: the policy does not use retrieval"))
+    failures = m.get("judge_parse_failure_rate")
+    if failures is not None and failures > JUDGE_FAILURE_SHARE:
+        alarms.append(_alarm("judge_parse_failures", m, failures, JUDGE_FAILURE_SHARE,
+                             f"{failures:.0%} of Judge replies never parsed: gates fail, rubrics are missing, "
+                             "verdicts count 0"))
+    if m.get("rollouts") and m.get("reward") is None:
+        alarms.append(_alarm("no_reward", m, None, None, "no row of the step could be scored"))
+    return alarms
+
+
+def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Alarms for a finished task pool (Stage 2): no task survived the filter."""
+    if summary.get("tasks", 0) == 0:
+        return [_alarm("empty_pool", {"role": "pool", **summary}, 0, 1,
+                       f"no candidate task survived the gates and the window (of {summary.get('candidates', 0)} "
+                       "candidates): the Solver cannot train this iteration")]
+    return []
+
+
+def report(alarm: dict[str, Any], run_dir: str | os.PathLike) -> None:
+    """Log the alarm loudly and append it to <run>/health.jsonl."""
+    log.warning("HEALTH ALARM %s (%s, iteration %s, step %s): %s", alarm["alarm"], alarm.get("role"),
+                alarm.get("iteration"), alarm.get("step"), alarm["message"])
+    path = Path(run_dir) / "health.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({**alarm, "time": time.time()}, default=str) + "\n")
+
+
+def read_alarms(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "health.jsonl"
+    if not path.is_file():
+        return []
+    alarms = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            alarms.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill
+    return alarms

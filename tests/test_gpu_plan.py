@@ -1,0 +1,66 @@
+"""`scope plan`: GPU memory arithmetic against the figures worked out by hand for Qwen3-8B (36 layers, hidden
+4096, MLP 12288, 32 query and 8 KV heads of 128, vocabulary 151,936), and refusals of what cannot fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scope_lib.cli import main
+from scope_lib.config import ParamsError, load_params
+from scope_lib.gpu_plan import GIB, KNOWN, Architecture, architecture, plan_gpu
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def qwen3(*overrides):
+    return load_params(REPO / "params" / "qwen3-8b.yaml", list(overrides))
+
+
+def test_qwen3_8b_arithmetic():
+    arch = KNOWN["Qwen/Qwen3-8B"]
+    assert arch.parameters / 1e9 == pytest.approx(8.19, abs=0.01)
+    # LoRA r=64 on q, k, v, o, gate, up, down: per layer 0.52 + 0.33 + 0.33 + 0.52 + 3 x 1.05 M
+    assert arch.lora_parameters(64) / 1e6 == pytest.approx(174.6, abs=0.1)
+    assert arch.kv_bytes_per_token() == 144 * 1024                    # 2 x 36 x 8 x 128 x 2 B
+    rows = {r.item: r.gib for r in plan_gpu(qwen3()).rows}
+    assert rows["base weights M0 (Judge, reference)"] * GIB / 1e9 == pytest.approx(16.4, abs=0.05)
+    assert rows["trained adapter + gradient + AdamW (fp32)"] * GIB / 1e9 == pytest.approx(2.79, abs=0.01)
+    assert rows["frozen second adapter (fp32)"] * GIB / 1e9 == pytest.approx(0.70, abs=0.01)
+
+
+def test_the_default_lora_run_fits_one_h100_and_the_paper_full_run_does_not():
+    report = plan_gpu(qwen3(), gpu_gib=80)
+    assert report.fits and "headroom" in report.advice[0]
+    assert report.generate_peak == pytest.approx(report.resident + 0.6 * 80)
+    greedy = plan_gpu(qwen3("engine.gpu_memory_utilization=0.85", "grpo.per_device_batch_size=8"), gpu_gib=80)
+    assert not greedy.fits and any("gpu_memory_utilization to at most 0.6" in a for a in greedy.advice)
+    full = plan_gpu(qwen3("model.finetuning=full"), gpu_gib=80)
+    assert not full.fits and any("LoRA" in a for a in full.advice)
+    sharded = plan_gpu(qwen3("model.finetuning=full", "engine.backend=openai"), gpu_gib=80, gpus=8)
+    assert sharded.fits and sharded.train_peak < full.train_peak / 4
+    awake = plan_gpu(qwen3(), gpu_gib=80, sleep=False)
+    assert awake.train_peak == pytest.approx(report.train_peak + 0.6 * 80)
+    hf = plan_gpu(qwen3("engine.backend=hf"), gpu_gib=80)
+    assert not hf.fits and any("engine.max_batch_size" in a for a in hf.advice)   # 2048 rollouts at once
+    assert plan_gpu(qwen3("engine.backend=hf", "engine.max_batch_size=16"), gpu_gib=80).fits
+
+
+def test_architecture_from_a_local_config_the_tiny_model_or_an_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}))
+    arch = architecture(load_params(None, {"model.base": str(tmp_path)}))
+    assert arch == Architecture(2, 64, 192, 4, 2, 16, 1000, True)
+    assert architecture(load_params(REPO / "params" / "smoke.yaml")).layers == 2
+    with pytest.raises(ParamsError, match="config.json"):
+        architecture(load_params(None, {"model.base": "someone/unknown-model"}))
+
+
+def test_scope_plan_exits_1_when_it_cannot_fit(capsys):
+    assert main(["plan", "--params", str(REPO / "params" / "qwen3-8b.yaml")]) == 0
+    assert "FITS" in capsys.readouterr().out
+    assert main(["plan", "--params", str(REPO / "params" / "qwen3-8b.yaml"), "-o", "model.finetuning=full"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -1,0 +1,209 @@
+"""Algorithm 1 end to end over iterations: Stage 1, the task pool, Stage 3, with real GRPO updates of the tiny
+model and a scripted engine that follows the protocol over the real Wikipedia sample."""
+
+from __future__ import annotations
+
+import pytest
+from training_helpers import AlternatingEngine, fast_params, load_policy
+
+from scope_lib import rewards
+from scope_lib.dialects import get_dialect
+from scope_lib.judge import Judge
+from scope_lib.retrieval import build_or_open_index
+from scope_lib.runs import read_jsonl
+from scope_lib.selfplay import TaskEvaluation, build_pool, open_run, run, solver_format, train_challenger
+
+DIALECT = get_dialect("qwen2.5")
+
+
+@pytest.fixture(scope="module")
+def index_params(tmp_path_factory, wiki_sample):
+    return fast_params(tmp_path_factory.mktemp("index"), wiki_sample.parent)
+
+
+@pytest.fixture(scope="module")
+def retriever(index_params):
+    return build_or_open_index(index_params, progress=False)
+
+
+def components(params, tiny_model_dir, retriever):
+    policy = load_policy(params, tiny_model_dir)
+    engine = AlternatingEngine(policy.tokenizer, DIALECT)
+    return {"policy": policy, "engine": engine, "judge": Judge(engine, params.judge, seed=params.selfplay.seed),
+            "retriever": retriever}
+
+
+def records(run_dir, t, stage, name):
+    path = run_dir / f"iter_{t:02d}" / stage / f"{name}.jsonl"
+    return read_jsonl(path) if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory, wiki_sample, tiny_model_dir, retriever):
+    params = fast_params(tmp_path_factory.mktemp("runs"), wiki_sample.parent, **{"selfplay.iterations": 2})
+    result = run(params, **components(params, tiny_model_dir, retriever))
+    return params, result
+
+
+def test_iterations_write_every_stage_with_the_papers_rewards(two_iterations):
+    params, result = two_iterations
+    run_dir = params.run_dir
+    for t in (1, 2):
+        for stage in ("challenger", "pool", "solver"):
+            assert (run_dir / f"iter_{t:02d}" / stage / "DONE").is_file(), (t, stage)
+        assert (run_dir / f"iter_{t:02d}" / "challenger" / "adapter" / "adapter_config.json").is_file()
+        assert (run_dir / f"iter_{t:02d}" / "solver" / "adapter" / "adapter_config.json").is_file()
+    # Stage 1: R_C = 0.5 r_fmt + 1[QG] f_diff(g-bar) (eq. 4, 5), F.1's format-0 rule
+    rollouts = records(run_dir, 1, "challenger", "rollouts")
+    assert len(rollouts) == params.challenger.batch_size * params.grpo.group_size
+    for rec in rollouts:
+        e = rec["evaluation"]
+        difficulty = rewards.difficulty_reward(e["mean_score"]) if e["gates_passed"] and e["mean_score"] is not None \
+            else 0.0
+        expected = 0.0 if e["format_total"] == 0 else 0.5 * e["format_total"] + difficulty
+        assert rec["reward"] == pytest.approx(expected)
+    assert len({rec["reward"] for rec in rollouts}) > 1
+    # Stage 3: R_S = L(a) g + 0.5 r_fmt + 0.1 r_search (eq. 6, 7; F.2)
+    from scope_lib.rollout import Trajectory
+
+    solver = records(run_dir, 1, "solver", "rollouts")
+    assert len(solver) == params.solver.batch_size * params.grpo.group_size
+    for rec in solver:
+        traj = Trajectory.from_record(rec["trajectory"])
+        fmt = solver_format(traj, DIALECT)
+        searches = DIALECT.count_searches(traj.turns)[0]
+        n_answer = len(result.policy.tokenizer.encode(traj.answer, add_special_tokens=False)) if traj.answer else 0
+        expected = rewards.solver_reward(rec["rubric_score"], n_answer, fmt.total, searches,
+                                         length=rewards.LengthPenalty(params.solver.length_soft,
+                                                                      params.solver.length_hard))
+        assert rec["reward"] == pytest.approx(expected)
+    metrics = records(run_dir, 1, "solver", "metrics")
+    assert len(metrics) == params.selfplay.steps_per_role and metrics[0]["rubric_score"] is not None
+    manifest = (run_dir / "manifest.json").read_text()
+    for key in ("params_hash", "transformers", "trl", "git", "judge_models", "corpus"):
+        assert key in manifest
+
+
+def test_the_pool_keeps_window_tasks_one_per_document(two_iterations):
+    params, _ = two_iterations
+    lo, hi = params.selfplay.difficulty_window
+    for t in (1, 2):
+        tasks = records(params.run_dir, t, "pool", "tasks")
+        candidates = records(params.run_dir, t, "pool", "candidates")
+        assert tasks, f"iteration {t}: no task in the pool"
+        assert len(tasks) <= params.selfplay.target_tasks
+        assert all(task["gates_passed"] and lo <= task["mean_score"] <= hi for task in tasks)
+        assert len({task["document_id"] for task in tasks}) == len(tasks)
+        kept = {c["id"] for c in candidates if c["kept"]}
+        assert kept == {task["id"] for task in tasks}
+        outside = [c for c in candidates if c["evaluation"]["mean_score"] is not None
+                   and not lo <= c["evaluation"]["mean_score"] <= hi]
+        assert all(not c["kept"] for c in outside)
+        assert {TaskEvaluation.from_record(task).challenger_id for task in tasks} == kept
+
+
+def test_ids_and_documents_never_repeat_across_iterations(two_iterations):
+    params, _ = two_iterations
+    files = [("challenger", "rollouts"), ("challenger", "solver_rollouts"), ("challenger", "metrics"),
+             ("pool", "candidates"), ("pool", "tasks"), ("solver", "rollouts"), ("solver", "metrics")]
+    for stage, name in files:
+        ids = [rec["id"] for t in (1, 2) for rec in records(params.run_dir, t, stage, name)]
+        assert ids and len(ids) == len(set(ids)), (stage, name)
+        assert all(i.startswith(("i01", "i02", f"{stage}-01", f"{stage}-02")) for i in ids), ids[:3]
+    spans = sorted(stage_summary(params, t, stage)["documents"] for t in (1, 2) for stage in ("challenger", "pool"))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))              # consecutive, never overlapping
+    first = {c["evaluation"]["document_id"] for c in records(params.run_dir, 1, "pool", "candidates")}
+    second = {c["evaluation"]["document_id"] for c in records(params.run_dir, 2, "pool", "candidates")}
+    assert first and second and not first & second
+
+
+def stage_summary(params, t, stage):
+    from scope_lib.runs import Stage, iteration_dir
+
+    return Stage(iteration_dir(params.run_dir, t) / stage).summary
+
+
+def test_the_pool_is_deterministic_by_seed(tmp_path, wiki_sample, tiny_model_dir, retriever):
+    def pool(folder, **overrides):
+        params = fast_params(tmp_path / folder, wiki_sample.parent, **overrides)
+        r = open_run(params, **components(params, tiny_model_dir, retriever))
+        train_challenger(r, 1)
+        build_pool(r, 1)
+        return records(params.run_dir, 1, "pool", "candidates")
+
+    first, again = pool("a"), pool("b")
+    strip = [{k: v for k, v in c.items() if k != "trajectory"} for c in first]
+    assert strip == [{k: v for k, v in c.items() if k != "trajectory"} for c in again]
+    assert [c["trajectory"]["completion_ids"] for c in first] == [c["trajectory"]["completion_ids"] for c in again]
+    other = pool("c", **{"selfplay.seed": 7})
+    assert {c["evaluation"]["document_id"] for c in other} != {c["evaluation"]["document_id"] for c in first}
+
+
+def test_without_co_evolution_the_challenger_stays_at_iteration_1(tmp_path, wiki_sample, tiny_model_dir, retriever):
+    """§5's ablation: C_1 frozen; the Solver keeps training on fresh tasks from it."""
+    params = fast_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 2, "selfplay.co_evolution": False})
+    parts = components(params, tiny_model_dir, retriever)
+    result = run(params, **parts)
+    second = params.run_dir / "iter_02"
+    assert '"frozen_at": 1' in (second / "challenger" / "DONE").read_text()
+    assert not (second / "challenger" / "rollouts.jsonl").exists() and not (second / "challenger" / "adapter").exists()
+    assert records(params.run_dir, 2, "pool", "candidates")                # fresh tasks from C_1
+    assert records(params.run_dir, 2, "solver", "rollouts")                 # the Solver keeps training
+    frozen = load_policy(params, tiny_model_dir)
+    frozen.load_role("challenger", params.run_dir / "iter_01" / "challenger" / "adapter")
+    now = result.policy.state("challenger")
+    assert all(v.equal(now[n]) for n, v in frozen.state("challenger").items())   # still exactly C_1
+    assert (params.run_dir / "iter_02" / "solver" / "adapter").is_dir()
+
+
+def test_with_co_evolution_the_challenger_trains_every_iteration(two_iterations):
+    params, _ = two_iterations
+    from safetensors.torch import load_file
+
+    first = load_file(str(params.run_dir / "iter_01" / "challenger" / "adapter" / "adapter_model.safetensors"))
+    second = load_file(str(params.run_dir / "iter_02" / "challenger" / "adapter" / "adapter_model.safetensors"))
+    assert records(params.run_dir, 2, "challenger", "rollouts")
+    assert any(not first[k].equal(second[k]) for k in first)
+
+
+def test_the_notebook_04_tables_read_a_finished_run(two_iterations):
+    from scope_lib.analysis import (
+        example_tasks,
+        gate_pass_by_task_type,
+        iteration_summary,
+        pool_candidates,
+        time_split,
+        training_metrics,
+    )
+
+    params, _ = two_iterations
+    metrics = training_metrics(params.run_dir)
+    assert sorted(metrics.groupby("role").size().to_dict().items()) == [("challenger", 2), ("solver", 2)]
+    assert metrics[metrics.role == "solver"]["global_step"].tolist() == [1, 2]
+    candidates = pool_candidates(params.run_dir)
+    assert set(candidates["iteration"]) == {1, 2} and candidates["kept"].any()
+    gates = gate_pass_by_task_type(candidates)
+    assert gates["gate pass rate"].between(0, 1).all() and len(gates) >= 2
+    summary = iteration_summary(params.run_dir)
+    assert summary["iteration"].tolist() == [1, 2] and summary["pool tasks"].gt(0).all()
+    assert summary["solver rubric score"].notna().all()
+    split = time_split(metrics)
+    assert {"generation", "judge", "update", "overhead"} <= set(split.columns) and (split["update"] > 0).all()
+    examples = example_tasks(params.run_dir)
+    assert [e["iteration"] for e in examples] == [1, 2]
+    assert all(e["task"] and e["rubrics"] for e in examples)
+    assert any(e["verdicts"] and len(e["verdicts"]) == len(e["rubrics"]) for e in examples)
+
+
+def test_training_refuses_an_index_that_fails_its_check(tmp_path, wiki_sample):
+    """`scope index check` runs before any training: an index that answers nothing stops the run."""
+    from scope_lib.retrieval import IndexCheckError
+
+    class Silent:
+        def search(self, queries, k=None):
+            return [[] for _ in queries]
+
+    params = fast_params(tmp_path, wiki_sample.parent)
+    with pytest.raises(IndexCheckError, match="canaries"):
+        open_run(params, retriever=Silent())
+    assert not (params.run_dir / "manifest.json").exists()
