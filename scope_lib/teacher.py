@@ -39,7 +39,7 @@ from scope_lib.config import Params, WarmStartConfig, validate_params
 from scope_lib.corpus import Passage, permutation_slice, read_corpus
 from scope_lib.dialects import DIALECTS, Dialect, get_dialect
 from scope_lib.engines import Completion, Sampling
-from scope_lib.judge import Judge
+from scope_lib.judge import Judge, make_judge
 from scope_lib.retrieval import Retriever
 from scope_lib.rollout import (
     ChallengerPrompt,
@@ -68,8 +68,10 @@ CHALLENGER_FEWER_SEARCHES = 0.1      # share of Challenger rollouts that write t
 SOLVER_SEARCHES = {0: 0.15, 1: 0.45, 2: 0.4}   # searches before answering (capped at the allowed number)
 SOLVER_ANSWER_FACTS = {0: 0.2, 1: 0.5, 2: 0.3}  # retrieved sentences the answer is built from
 SOLVER_ROLLOUTS = 2                  # Solver rollouts per task (a GRPO group in the smoke run)
+GATE_EXAMPLES_KEPT = 0.5             # share of gate examples trained on (one-token verdicts, long prompts)
 SOURCE_MISMATCH_SHARE = 0.15         # extra source-relevance examples pairing a task with another document
 NEGATIVE_GRADES_KEPT = 0.3           # share of 0-verdict grades kept (the Solver's answers mostly miss facts)
+RUBRICS_PER_TASK = 3                 # the fewest the paper allows: the least a tiny model must write
 GOOD_ANSWERS = 3                     # extra grades per task of an answer quoting the rubric's source sentence
 
 
@@ -193,20 +195,22 @@ def _contains(haystack: str, needle: str) -> bool:
 #: them (search queries, tasks, answers, rubrics), each followed by text its own few preceding tokens decide,
 #: which is what a tiny model can learn to continue.
 THINK = {
-    "challenger_source": "I will search for a name the source document mentions.",
-    "challenger_results": "I will follow a new name from these results.",
-    "challenger_task": "Task check: each search adds a fact, every name is given in full, and nothing is leaked.",
-    "solver_search": "I will search for a name in the question.",
-    "solver_answer": "The results give the facts I need.",
-    "solver_guess": "I will answer briefly.",
-    "gate_named": "The task names its entities in full.",
-    "gate_unnamed": "The task names no specific entity.",
-    "gate_related": "The task is about names in the source document.",
-    "gate_unrelated": "The task names nothing from the source document.",
-    "gate_generic": "The task is generic.",
-    "grade_met": "The response contains the fact the rubric asks for.",
-    "grade_missed": "The response does not contain the fact the rubric asks for.",
+    "challenger_source": "Search the document.",
+    "challenger_results": "Search the results.",
+    "challenger_task": "Write the task.",
+    "solver_search": "Search the question.",
+    "solver_answer": "Answer from the results.",
+    "solver_guess": "Answer briefly.",
 }
+
+
+#: Whether the policies' turns open with a <think> block. Off: a model of a few hundred thousand weights learns
+#: the bare protocol (search, task, answer) far more reliably, at the cost of the format score's think credit.
+POLICY_THINKS = False
+
+
+def _think(kind: str) -> str:
+    return f"<think>{THINK[kind]}</think>\n" if POLICY_THINKS else ""
 
 
 # -- the engine ----------------------------------------------------------------------------------------
@@ -387,14 +391,14 @@ class ChallengerTeacher:
             if found is not None:
                 name, where = found
                 call = self.dialect.format_search(_query(name))
-                think = THINK["challenger_source" if where == "source" else "challenger_results"]
-                return fit(self.tokenizer, [f"<think>{think}</think>\n{call}"], budget)
+                think = "challenger_source" if where == "source" else "challenger_results"
+                return fit(self.tokenizer, [f"{_think(think)}{call}"], budget)
         return self.task_turn(traj, plan, budget)
 
     def task_turn(self, traj: Trajectory, plan: _ChallengerPlan, budget: int) -> str:
         task_type = traj.meta["task_type"]
         searched = list(dict.fromkeys(s.query.strip() for s in traj.searches if s.valid and s.query))
-        thinks = [f"<think>{THINK['challenger_task']}</think>\n"]
+        thinks = [_think("challenger_task")]
         if plan.grounding == "generic" or not searched:
             options = [([], _GENERIC_TASKS[task_type])]
         else:
@@ -441,7 +445,7 @@ class SolverTeacher:
             if query is None:  # a generic task: search its topic words
                 query = " ".join(traj.meta["task"].split()[1:5]).strip(",.")
             call = self.dialect.format_search(_query(query))
-            return fit(self.tokenizer, [f"<think>{THINK['solver_search']}</think>\n{call}"], budget)
+            return fit(self.tokenizer, [f"{_think('solver_search')}{call}"], budget)
         return self.answer_turn(traj, plan, names, budget)
 
     def retrieved_facts(self, traj: Trajectory, exclude: Sequence[str]) -> list[str]:
@@ -456,10 +460,10 @@ class SolverTeacher:
         subject = names[0] if names else "The topic"
         facts = self.retrieved_facts(traj, exclude=names)[:plan.facts]
         if facts:
-            think = f"<think>{THINK['solver_answer']}</think>\n"
+            think = _think("solver_answer")
             bodies = [f" {subject} is linked to {_join(facts[:k])}." for k in range(len(facts), 0, -1)]
         else:
-            think = f"<think>{THINK['solver_guess']}</think>\n"
+            think = _think("solver_guess")
             bodies = [f" {subject} is a well-known subject."]
         return fit(self.tokenizer, [f"{think}<answer>{b}</answer>" for b in bodies]
                    + [f"<answer>{b}</answer>" for b in bodies], budget)
@@ -467,8 +471,7 @@ class SolverTeacher:
 
 # -- Judge -------------------------------------------------------------------------------------------------
 
-_RUBRIC_VERBS = {"name": ["Identifies {fact}.", "Incorporates {fact}.", "Explains the role of {fact}."],
-                 "year": ["Provides the year {fact}."]}
+_RUBRIC_VERBS = {"name": ["Mentions {fact}."], "year": ["Mentions {fact}."]}
 #: Priorities by rubric count: the last rubric is always the one "bonus", so a model learns where to stop.
 _PRIORITIES = {3: ["critical", "important", "bonus"], 4: ["critical", "important", "important", "bonus"],
                5: ["critical", "critical", "important", "important", "bonus"]}
@@ -495,19 +498,17 @@ class JudgeTeacher:
         relevance passes one that names something the source document mentions."""
         named = self.names.names(task)
         if gate == "entity_identifiability":
-            if named:
-                return 1, f"<think>{THINK['gate_named']}</think>\n<score>1</score>"
-            return 0, f"<think>{THINK['gate_unnamed']}</think>\n<score>0</score>"
-        if any(_contains(document, n) for n in named):
-            return 1, f"<think>{THINK['gate_related']}</think>\n<score>1</score>"
-        return 0, f"<think>{THINK['gate_generic' if not named else 'gate_unrelated']}</think>\n<score>0</score>"
+            verdict = int(bool(named))
+        else:
+            verdict = int(any(_contains(document, n) for n in named))
+        return verdict, f"<score>{verdict}</score>"
 
     def rubrics(self, task: str, document: str, rng: random.Random) -> tuple[list[str], str]:
         """(rubric texts, reply): 3-5 rubrics, each naming one fact of the source that the task does not."""
         title, body = document.split("\n", 1) if "\n" in document else ("", document)
         facts = [f for f in self.names.facts(body) if not _contains(task, f)]
         facts += [f for f in self.names.facts(body) + self.names.names(title) if f not in facts]
-        chosen = facts[:rng.choice([3, 3, 4, 5])]
+        chosen = facts[:RUBRICS_PER_TASK]
         if len(chosen) < 3:
             raise TeacherError(f"fewer than three facts in the document: {document[:80]!r}")
         texts = [rng.choice(_RUBRIC_VERBS["year" if _YEAR.fullmatch(f) else "name"]).format(fact=f) for f in chosen]
@@ -519,10 +520,8 @@ class JudgeTeacher:
         raise TeacherError(f"three rubrics do not fit in {RUBRIC_MAX_TOKENS} tokens: {texts}")
 
     def grade(self, answer: str, rubric: str) -> tuple[int, str]:
-        fact = rubric_fact(rubric)
-        if _contains(answer, fact):
-            return 1, f"<think>{THINK['grade_met']}</think>\n<score>1</score>"
-        return 0, f"<think>{THINK['grade_missed']}</think>\n<score>0</score>"
+        verdict = int(_contains(answer, rubric_fact(rubric)))
+        return verdict, f"<score>{verdict}</score>"
 
 
 # -- name swapping ---------------------------------------------------------------------------------------
@@ -532,6 +531,10 @@ class JudgeTeacher:
 #: which name goes with which document; with it the only way to lower the loss is to copy names from the
 #: context, which is what every role needs.
 NAME_SWAP_SHARE = 0.75
+SWAP_POOL = 1000
+#: Times each example of a role appears per SFT pass: the rubric writer's reply is the longest structure to
+#: learn from the fewest examples (one per task).
+ROLE_REPEATS = {"rubrics": 3}
 _SWAPPABLE = re.compile(r"^ [A-Z][a-z]{2,}$")
 
 
@@ -559,15 +562,22 @@ def swappable_names(tokenizer) -> list[int]:
 def swap_names(example: Example, names: Sequence[int], name_set: set[int], rng: random.Random) -> Example:
     """`example` with each distinct name token replaced by a distinct random one, everywhere it occurs."""
     present = sorted({t for t in example.input_ids if t in name_set})
-    mapping = dict(zip(present, rng.sample(list(names), len(present)), strict=True))
+    mapping = dict(zip(present, rng.sample(list(names), min(len(present), len(names))), strict=False))
     return Example(example.role, [mapping.get(t, t) for t in example.input_ids], list(example.completion_mask))
 
 
 def sft_passes(examples: list[Example], tokenizer, epochs: float, seed: int) -> list[Example]:
     """`epochs` passes over the shuffled examples (a fractional last pass takes a prefix), each example's
-    names swapped with probability NAME_SWAP_SHARE by a fresh draw in every pass."""
-    names = swappable_names(tokenizer)
-    name_set = set(names)
+    names swapped with probability NAME_SWAP_SHARE by a fresh draw in every pass, for names of the SWAP_POOL
+    most frequent ones (so every name the model learns to write is one it has read often)."""
+    name_set = set(swappable_names(tokenizer))
+    counts: dict[int, int] = {}
+    for e in examples:
+        for t in e.input_ids:
+            if t in name_set:
+                counts[t] = counts.get(t, 0) + 1
+    names = sorted(counts, key=lambda t: (-counts[t], t))[:SWAP_POOL]
+    examples = [e for e in examples for _ in range(ROLE_REPEATS.get(e.role, 1))]
     total = max(1, round(epochs * len(examples)))
     out: list[Example] = []
     k = 0
@@ -651,7 +661,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     done = [t for t in trajs if t.task]
 
     # Gates: each task against its own source, and some against another document (source relevance 0).
-    judge = Judge(engine, params.judge, native_thinking=dialect.name == "qwen3")
+    judge = make_judge(params, lambda _model: engine)   # the run's Judge: same prompts, thinking and seeding
     pairs = [(t.task, by_id[t.meta["prompt_id"]].document) for t in done]
     for task, _doc in list(pairs):
         if rng.random() < SOURCE_MISMATCH_SHARE:
@@ -682,7 +692,8 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
                   [[by_id[t.meta["prompt_id"]].document] for t in passed])
 
     # Solver rollouts on the tasks with rubrics.
-    solvers = [new_trajectory(f"{t.id}/s{j}", "solver", solver_messages(t.task, dialect, params.solver.max_searches),
+    solvers = [new_trajectory(f"{t.id}/s{j}", "solver", solver_messages(t.task, dialect, params.solver.max_searches,
+                                                                 params.solver.prompt),
                               tokenizer, max_searches=params.solver.max_searches,
                               meta={"challenger_id": t.id, "task": t.task})
                for t in passed for j in range(SOLVER_ROLLOUTS)]
@@ -715,7 +726,8 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
         kept.append(triple)
     engine.queue("grading", grade_replies)
     judge.grade([x[0] for x in kept], [x[1] for x in kept], [x[2] for x in kept])
-    examples += engine.judge_examples
+    # Gate replies are the simplest to learn and their prompts the longest: keep a share of them.
+    examples += [e for e in engine.judge_examples if e.role != "gates" or rng.random() < GATE_EXAMPLES_KEPT]
     return examples
 
 
@@ -790,8 +802,8 @@ def protocol_texts(passages: Sequence[str], seed: int = 0) -> list[str]:
         ] + [prompts.gate_prompt(g, task, doc.document) for g in prompts.GATES]
         texts.append("".join(f"<think>{t}</think>\n" for t in THINK.values()))
         texts.append(f"{dialect.format_search(' ' + names[-1])}<answer> {names[0]} is linked to {names[-1]}.</answer>")
-        texts.append(f'<rubrics>\n<rubric priority="critical">Identifies {names[0]}.</rubric>\n<rubric priority='
-                     f'"important">Provides the year 1990.</rubric>\n<rubric priority="bonus">Explains the role of '
+        texts.append(f'<rubrics>\n<rubric priority="critical">Mentions {names[0]}.</rubric>\n<rubric priority='
+                     f'"important">Mentions 1990.</rubric>\n<rubric priority="bonus">Mentions '
                      f'{names[-1]}.</rubric>\n</rubrics>')
     return texts
 

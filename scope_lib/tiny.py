@@ -36,7 +36,7 @@ RECIPE_VERSION = 1
 WARM_RECIPE_VERSION = 1
 #: Weight of name tokens in the warm start's loss: names are what the tiny model must learn to copy from its
 #: context, and they are few among the assistant's tokens.
-NAME_LOSS_WEIGHT = 4.0
+NAME_LOSS_WEIGHT = 0.1
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
@@ -337,6 +337,8 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
     if longest > cfg.max_position_embeddings:
         raise TinyModelError(f"model.tiny.max_position_embeddings ({cfg.max_position_embeddings}) is shorter than "
                              f"the longest teacher example ({longest} tokens)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads; on a busy machine they spin
     with torch.random.fork_rng(devices=[]):
         model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
         work = Path(tempfile.mkdtemp(prefix=".sft-", dir=out))
@@ -354,6 +356,7 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            torch.set_num_threads(threads)
     model.to(torch.float32).save_pretrained(out)
     info = json.loads((out / "scope_tiny.json").read_text())
     info["warm_start"] = {
