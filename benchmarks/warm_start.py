@@ -6,7 +6,7 @@ speaks the protocol on documents the teacher never read.
 Each build runs in a fresh temporary cache (the teacher's index is rebuilt too, as on a first run); the load
 average is printed with each build because the 2 CPU cores are shared. The protocol rates are measured with
 `scope_lib.teacher.measure_protocol` (Challenger groups of 2, the run's Solver rollouts per task, gates,
-rubrics, grades, R_C and R_S) under the run's sampling, `--repeats` times with different torch seeds.
+rubrics, grades, R_C and R_S) under the run's sampling, `--repeats` times with different prompt seeds (task types, search counts).
 Prints markdown tables.
 """
 
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--params", default=str(REPO / "params" / "smoke.yaml"))
     parser.add_argument("--builds", type=int, default=1, help="fresh warm-start builds to time")
     parser.add_argument("--documents", type=int, default=16, help="held-out documents for the protocol rates")
-    parser.add_argument("--repeats", type=int, default=1, help="protocol measurements (torch seeds 0..)")
+    parser.add_argument("--repeats", type=int, default=1, help="protocol measurements (prompt seeds 0..)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,7 +74,7 @@ def main() -> None:
 
     from scope_lib.corpus import read_corpus
     from scope_lib.engines import HFEngine
-    from scope_lib.judge import Judge
+    from scope_lib.judge import make_judge
     from scope_lib.retrieval import build_or_open_index
     from scope_lib.rollout import challenger_trajectories, make_challenger_prompts
     from scope_lib.teacher import held_out_documents, measure_protocol
@@ -107,7 +107,8 @@ def main() -> None:
     for seed in range(args.repeats):
         torch.manual_seed(seed)
         started = time.perf_counter()
-        rates, *_ = measure_protocol(params, engine, Judge(engine, params.judge), retriever, documents)
+        rates, *_ = measure_protocol(params, engine, make_judge(params, lambda _m: engine), retriever, documents,
+                                     seed=seed)
         rows.append({"seed": seed, **rates.table(), "s": round(time.perf_counter() - started, 1)})
     print(f"## Protocol rates on {len(documents)} held-out documents\n")
     print(_table(rows))

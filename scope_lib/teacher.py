@@ -534,7 +534,7 @@ NAME_SWAP_SHARE = 0.75
 SWAP_POOL = 1000
 #: Times each example of a role appears per SFT pass: the rubric writer's reply is the longest structure to
 #: learn from the fewest examples (one per task).
-ROLE_REPEATS = {"rubrics": 3}
+ROLE_REPEATS = {"rubrics": 3, "challenger": 2, "solver": 2}
 _SWAPPABLE = re.compile(r"^ [A-Z][a-z]{2,}$")
 
 
