@@ -6,11 +6,14 @@ fine-tunes it on traces that this teacher writes from the corpus, for every role
 - Challenger: think, search for an entity (the source document's title or a name in its text, then a title from
   the previous results), ..., then a task of the requested type naming what was searched.
 - Solver: think, search for a name from the task, ..., then an answer built from retrieved sentences.
-- Judge: gate verdicts, 3-5 rubrics with priorities (each naming one fact of the source document), and one
+- Judge: gate verdicts, three rubrics with priorities (each naming one fact of the source document), and one
   `<score>` per (answer, rubric) that is 1 exactly when the answer contains the rubric's fact.
 
+The replies are as plain as the protocol allows (no <think> blocks, bare `<score>` verdicts, the fewest rubrics
+the paper permits): what a model of a few hundred thousand weights learns reliably in minutes on a CPU.
+
 Every example is made by the library itself: the teacher is an `Engine` that the real rollout loop
-(`rollout.run_rollouts`, over a real chroma index) and the real `Judge` call, so the contexts it is trained on
+(`rollout.run_rollouts`, over a real retrieval index) and the real `Judge` call, so the contexts it is trained on
 are token for token the ones the warmed model gets at run time (prompt templates, chat template, dialect, the
 environment's between-turn messages, result formatting and token budgets). The teacher only decides what the
 assistant writes, from structured state (the trajectory, its searches and their hits), never by reading the
@@ -534,7 +537,7 @@ NAME_SWAP_SHARE = 0.75
 SWAP_POOL = 1000
 #: Times each example of a role appears per SFT pass: the rubric writer's reply is the longest structure to
 #: learn from the fewest examples (one per task).
-ROLE_REPEATS = {"rubrics": 3, "challenger": 2, "solver": 2}
+ROLE_REPEATS = {"rubrics": 6, "challenger": 2, "solver": 2}
 _SWAPPABLE = re.compile(r"^ [A-Z][a-z]{2,}$")
 
 
@@ -597,14 +600,17 @@ def sft_passes(examples: list[Example], tokenizer, epochs: float, seed: int) -> 
 
 def teacher_params(cfg: WarmStartConfig, corpus_path: str | Path, index_dir: str | Path, dialect: str) -> Params:
     """The run parameters the teacher's rollouts and Judge use: the warm start's protocol shape, generous
-    response budgets (each turn is held to `max_new_tokens_per_turn`), and its own index in `index_dir`."""
+    response budgets (each turn is held to `max_new_tokens_per_turn`), and its own exact (faiss Flat) index in `index_dir`."""
     index_dir = Path(index_dir)
     return validate_params({
         "run": {"name": index_dir.name, "runs_dir": str(index_dir.parent), "data_dir": str(Path(corpus_path).parent)},
         "model": {"base": "tiny", "dialect": dialect, "max_model_len": 8192},
         "judge": {"gate_max_tokens": GATE_MAX_TOKENS, "rubric_max_tokens": RUBRIC_MAX_TOKENS,
                   "grading_max_tokens": GRADING_MAX_TOKENS},
+        # faiss Flat: exact search, so the teacher's results (and the warmed weights) are the same on every
+        # build; an HNSW graph may differ between two builds of the same corpus.
         "retrieval": {"corpus": str(Path(corpus_path).resolve()), "embedder": cfg.embedder, "embed_batch_size": 16,
+                      "backend": "faiss", "faiss_factory": "Flat",
                       "max_result_tokens": cfg.max_result_tokens, "top_k": cfg.top_k},
         "selfplay": {"document_max_tokens": cfg.document_max_tokens, "seed": cfg.seed},
         "challenger": {"max_new_tokens_per_turn": cfg.max_new_tokens_per_turn, "max_response_tokens": 4096,

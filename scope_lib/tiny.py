@@ -258,7 +258,7 @@ TEACHER_INDEX_DIR = "_teacher_index"
 def _index_name(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
     from scope_lib.corpus import corpus_checksum
 
-    return f"{cfg.warm_start.embedder}-{corpus_checksum(corpus_path)[:16]}"
+    return f"{cfg.warm_start.embedder}-flat-{corpus_checksum(corpus_path)[:16]}"
 
 
 class _ProgressLog:
