@@ -37,8 +37,38 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+class WarmStartConfig(Section):
+    """Supervised warm start of the tiny model (not in the paper; smoke demos only): TRL SFT on protocol
+    traces that the scripted teacher `scope_lib.teacher` writes from the corpus, so a CPU run shows real
+    tasks, rubrics and grades. The last five fields give the protocol shape the traces follow: keep them
+    equal to the run settings named in their descriptions (params/smoke.yaml ties them with YAML anchors)."""
+
+    enabled: bool = Field(False, description="Warm-start the tiny model; False keeps random weights (unit tests).")
+    seed: int = Field(0, description="Seed of the document split, the teacher's choices and the SFT run.")
+    documents: int = Field(240, ge=4, description="Source documents the teacher writes traces from.")
+    held_out_share: float = Field(
+        0.2, ge=0.0, lt=1.0, description="Share of the corpus the teacher never reads (a seeded split; "
+        "`scope_lib.teacher.held_out_documents`), for parse-rate checks on unseen documents.")
+    epochs: float = Field(1.0, gt=0.0, description="SFT passes over the teacher's examples.")
+    learning_rate: float = Field(3e-3, gt=0.0, description="SFT peak learning rate (cosine decay, 5% warmup).")
+    batch_size: int = Field(8, ge=1, description="Sequences per SFT step.")
+    dialects: list[Literal["qwen2.5", "qwen3", "olmo3"]] = Field(
+        ["qwen2.5"], min_length=1, description="Search dialects of the traces (Table 11): model.dialect of "
+        "the runs that use this model.")
+    embedder: Literal["hashing", "minilm-offline"] = Field(
+        "hashing", description="Embedder of the teacher's own index: hashing builds in about a second; "
+        "minilm-offline matches the smoke retriever but adds minutes to the first build.")
+    document_max_tokens: int = Field(128, ge=16, description="= selfplay.document_max_tokens.")
+    max_result_tokens: int = Field(120, ge=1, description="= retrieval.max_result_tokens.")
+    top_k: int = Field(3, ge=1, description="= retrieval.top_k.")
+    max_new_tokens_per_turn: int = Field(
+        48, ge=16, description="= challenger/solver.max_new_tokens_per_turn: every teacher turn fits in it.")
+    solver_max_searches: int = Field(2, ge=0, description="= solver.max_searches.")
+
+
 class TinyModelConfig(Section):
-    """The offline tiny model (`scope_lib.tiny`): random weights, a BPE tokenizer trained on the corpus."""
+    """The offline tiny model (`scope_lib.tiny`): a BPE tokenizer trained on the corpus and random weights,
+    optionally warm-started on protocol traces (`warm_start`)."""
 
     seed: int = Field(0, description="Seed for the tokenizer sample and the random weights.")
     vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size, special tokens included.")
@@ -46,6 +76,8 @@ class TinyModelConfig(Section):
     num_layers: int = Field(2, ge=1, description="Transformer depth.")
     num_heads: int = Field(4, ge=1, description="Attention heads (key/value heads = heads / 2).")
     max_position_embeddings: int = Field(8192, ge=256, description="Longest sequence the model accepts.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig,
+                                        description="SFT on the teacher's protocol traces (smoke demos).")
 
 
 class ModelConfig(Section):

@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 #: Bump when the recipe below changes, so cached builds from an older recipe are not reused.
 RECIPE_VERSION = 1
+#: Bump when the warm start's SFT recipe changes (the teacher has its own TEACHER_VERSION).
+WARM_RECIPE_VERSION = 1
+#: Weight of name tokens in the warm start's loss: names are what the tiny model must learn to copy from its
+#: context, and they are few among the assistant's tokens.
+NAME_LOSS_WEIGHT = 0.1
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
@@ -44,6 +49,7 @@ PROTOCOL_TAGS: tuple[str, ...] = tuple(
 
 #: Passages read from the head of the corpus to train the tokenizer (and to fingerprint the corpus).
 TOKENIZER_PASSAGES = 20_000
+
 
 #: ChatML as Qwen writes it: system/user/assistant turns; consecutive tool results share one user turn,
 #: each wrapped in <tool_response>. No default system prompt.
@@ -113,18 +119,38 @@ def _kv_heads(num_heads: int) -> int:
     return 1
 
 
-def _train_tokenizer(passages: list[str], cfg: TinyModelConfig):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+#: The warm-started model's pre-tokenizer: capitalised words and digit runs (with a leading space) are
+#: pieces of their own, so names and years become single tokens; everything else may merge across words.
+NAME_PIECES = r" ?\p{Lu}[\p{L}\p{N}'’-]*| ?\p{N}+"
+#: Longest token (characters) of the warm-started model's tokenizer.
+WARM_MAX_TOKEN_CHARS = 24
+
+
+def _train_tokenizer(passages: list[str], cfg: TinyModelConfig, extra_texts: list[str] | None = None):
+    """Byte-level BPE on the passages (shuffled by seed), with the protocol tags added as single tokens.
+
+    With `extra_texts` (the warm start's protocol text) the tokenizer is the warm start's: it also learns
+    from them, names and numbers are pieces of their own (NAME_PIECES) and other merges may cross word
+    boundaries. Names then become single tokens, which a tiny model learns to copy within minutes, and the
+    prompts' fixed phrases become long tokens, so contexts are about three times shorter."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     order = list(range(len(passages)))
     random.Random(cfg.seed).shuffle(order)
+    extra = list(extra_texts or [])
 
     def texts() -> Iterator[str]:
         for i in order:
             yield passages[i]
+        yield from extra
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if extra_texts is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(NAME_PIECES), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=cfg.vocab_size - len(PROTOCOL_TAGS),
@@ -132,8 +158,9 @@ def _train_tokenizer(passages: list[str], cfg: TinyModelConfig):
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
+        max_token_length=None if extra_texts is None else WARM_MAX_TOKEN_CHARS,
     )
-    tok.train_from_iterator(texts(), trainer=trainer, length=len(order))
+    tok.train_from_iterator(texts(), trainer=trainer, length=len(order) + len(extra))
     tok.add_tokens([AddedToken(tag, special=False, normalized=False, single_word=False, lstrip=False,
                                rstrip=False) for tag in PROTOCOL_TAGS])
     return tok
@@ -197,18 +224,152 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike,
                              "times an even head size")
     out = Path(out_dir)
     passages, corpus_sha256 = _read_passages(Path(corpus_path))
-    tokenizer = _wrap_tokenizer(_train_tokenizer(passages, cfg), cfg)
+    extra = None
+    if cfg.warm_start.enabled:
+        from scope_lib.teacher import protocol_texts
+
+        extra = protocol_texts(passages, cfg.warm_start.seed)
+    tokenizer = _wrap_tokenizer(_train_tokenizer(passages, cfg, extra), cfg)
     model = _random_model(tokenizer, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
     (out / "scope_tiny.json").write_text(json.dumps(
-        {"recipe_version": RECIPE_VERSION, "config": cfg.model_dump(mode="json"),
+        {"recipe_version": RECIPE_VERSION, "config": _config_record(cfg),
          "corpus": str(corpus_path), "corpus_sha256": corpus_sha256,
          "vocab_size": len(tokenizer), "parameters": n_params}, indent=2) + "\n")
     log.info("built tiny model in %s: vocab %d, %d parameters", out, len(tokenizer), n_params)
     return out
+
+
+def _config_record(cfg: TinyModelConfig) -> dict[str, Any]:
+    """The config as it enters the cache key: warm-start settings only when the warm start is on, so the
+    random model's key does not move with settings it ignores."""
+    return cfg.model_dump(mode="json", exclude=None if cfg.warm_start.enabled else {"warm_start"})
+
+
+# -- warm start ------------------------------------------------------------------------------------
+
+#: Folder (under the cache root) of the teacher's retrieval indexes, one per corpus and embedder.
+TEACHER_INDEX_DIR = "_teacher_index"
+
+
+def _index_name(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
+    from scope_lib.corpus import corpus_checksum
+
+    return f"{cfg.warm_start.embedder}-flat-{corpus_checksum(corpus_path)[:16]}"
+
+
+class _ProgressLog:
+    """A trainer callback that logs SFT progress (loss, steps) through `logging`."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Callback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    log.info("warm start step %d/%d: loss %.3f", state.global_step, state.max_steps, logs["loss"])
+
+        return Callback()
+
+
+def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1.0):
+    """TRL's SFTTrainer, with the loss computed here: TRL 1.15 always scores through its fused LM head, whose
+    kernel needs Triton, which CPU-only torch lacks. The loss is the token mean over the assistant's tokens,
+    projecting only those positions through the LM head; tokens in `name_ids` count `name_weight` times."""
+    import torch
+    from trl import SFTTrainer
+
+    class CompletionSFTTrainer(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs["labels"][:, 1:]
+            backbone = getattr(model, model.base_model_prefix)
+            hidden = backbone(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                              use_cache=False).last_hidden_state[:, :-1]
+            mask = labels != -100
+            targets = labels[mask]
+            logits = model.get_output_embeddings()(hidden[mask]).float()
+            per_token = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            if name_ids and name_weight != 1.0:
+                lookup = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                lookup[torch.as_tensor(name_ids, device=logits.device)] = True
+                weights = torch.where(lookup[targets], name_weight, 1.0)
+                loss = (per_token * weights).sum() / weights.sum().clamp(min=1)
+            else:
+                count = num_items_in_batch if num_items_in_batch is not None else mask.sum()
+                loss = per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
+            return (loss, None) if return_outputs else loss
+
+    return CompletionSFTTrainer
+
+
+def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg: TinyModelConfig,
+               index_dir: str | os.PathLike) -> dict[str, Any]:
+    """Fine-tune the tiny model in `model_dir` in place on the teacher's protocol traces (TRL's SFTTrainer,
+    loss on the assistant's tokens only) and record what was done in scope_tiny.json.
+
+    The teacher (`scope_lib.teacher`) plays every role through the real rollout loop and Judge over its own
+    chroma index in `index_dir` (built once per corpus and embedder, then reused). Same config and corpus give
+    the same weights.
+    """
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig
+
+    from scope_lib.teacher import sft_passes, swappable_names, teacher_examples
+
+    ws = cfg.warm_start
+    out = Path(model_dir)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    examples, stats = teacher_examples(tokenizer, corpus_path, ws, index_dir)
+    teacher_s = time.perf_counter() - started
+    passes = sft_passes(examples, tokenizer, ws.epochs, ws.seed)
+    dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in passes],
+                                 "completion_mask": [e.completion_mask for e in passes],
+                                 "length": [len(e.input_ids) for e in passes]})
+    longest = max(len(e.input_ids) for e in examples)
+    if longest > cfg.max_position_embeddings:
+        raise TinyModelError(f"model.tiny.max_position_embeddings ({cfg.max_position_embeddings}) is shorter than "
+                             f"the longest teacher example ({longest} tokens)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads; on a busy machine they spin
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        work = Path(tempfile.mkdtemp(prefix=".sft-", dir=out))
+        try:
+            args = SFTConfig(
+                output_dir=str(work), per_device_train_batch_size=ws.batch_size, num_train_epochs=1,
+                learning_rate=ws.learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.0,
+                max_grad_norm=1.0, completion_only_loss=True, max_length=None, seed=ws.seed, data_seed=ws.seed,
+                train_sampling_strategy="group_by_length", save_strategy="no", report_to=[], logging_steps=10,
+                use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, dataloader_num_workers=0,
+                disable_tqdm=not log.isEnabledFor(logging.INFO), gradient_checkpointing=False)
+            trainer = _sft_trainer_class(swappable_names(tokenizer), NAME_LOSS_WEIGHT)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=[_ProgressLog()])
+            result = trainer.train()
+            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            torch.set_num_threads(threads)
+    model.to(torch.float32).save_pretrained(out)
+    info = json.loads((out / "scope_tiny.json").read_text())
+    info["warm_start"] = {
+        "examples": stats.examples, "tokens": stats.tokens, "completion_tokens": stats.completion_tokens,
+        "documents": stats.documents, "verdicts": stats.verdicts, "steps": result.global_step,
+        "mean_loss": round(float(result.training_loss), 4),
+        "last_loss": round(float(sum(losses[-5:]) / len(losses[-5:])), 4) if losses else None, "teacher_s": round(teacher_s, 1),
+        "total_s": round(time.perf_counter() - started, 1)}
+    (out / "scope_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
+    log.info("warm start: %d examples (%d tokens) in %d steps, mean loss %.3f, %.0f s",
+             len(examples), sum(stats.tokens.values()), result.global_step, result.training_loss,
+             time.perf_counter() - started)
+    return info["warm_start"]
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -220,9 +381,19 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
-    """A short hash of the recipe version, the tiny config and the corpus lines the tokenizer reads."""
-    payload = json.dumps({"recipe_version": RECIPE_VERSION, "config": cfg.model_dump(mode="json"),
-                          "corpus_sha256": corpus_fingerprint(corpus_path)}, sort_keys=True)
+    """A short hash of the recipe version, the tiny config and the corpus lines the tokenizer reads; for a
+    warm start also the whole corpus file (the teacher reads all of it) and the protocol fingerprint (prompt
+    templates, task types, dialects, teacher version), so a prompt change rebuilds the model."""
+    record: dict[str, Any] = {"recipe_version": RECIPE_VERSION, "config": _config_record(cfg),
+                              "corpus_sha256": corpus_fingerprint(corpus_path)}
+    if cfg.warm_start.enabled:
+        from scope_lib.corpus import corpus_checksum
+        from scope_lib.teacher import protocol_fingerprint
+
+        record.update(warm_recipe_version=WARM_RECIPE_VERSION, name_loss_weight=NAME_LOSS_WEIGHT,
+                      corpus_file_sha256=corpus_checksum(corpus_path),
+                      protocol=protocol_fingerprint())
+    payload = json.dumps(record, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -243,6 +414,8 @@ def tiny_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig | None 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
         build_tiny_model(tmp, corpus_path, cfg)
+        if cfg.warm_start.enabled:
+            warm_start(tmp, corpus_path, cfg, index_dir=root / TEACHER_INDEX_DIR / _index_name(corpus_path, cfg))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry is shared like any model directory
         try:
             os.rename(tmp, final)
@@ -254,6 +427,23 @@ def tiny_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig | None 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def describe_tiny(path: str | os.PathLike) -> dict[str, Any]:
+    """One row about a tiny model folder: its size and, when warm-started, what the warm start did."""
+    info = json.loads((Path(path) / "scope_tiny.json").read_text())
+    cfg = info["config"]
+    row: dict[str, Any] = {
+        "model": f"Qwen3, {cfg['num_layers']} layers x {cfg['hidden_size']} wide, vocabulary {info['vocab_size']}",
+        "parameters": info["parameters"], "weights": "random"}
+    warm = info.get("warm_start")
+    if warm:
+        row.update({
+            "weights": "warm-started by SFT on the scripted teacher's protocol traces (scope_lib.teacher)",
+            "teacher documents": warm["documents"],
+            "examples by role": ", ".join(f"{k} {v}" for k, v in warm["examples"].items()),
+            "SFT steps": warm["steps"], "loss (last 5 logs)": warm["last_loss"], "build s": warm["total_s"]})
+    return row
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -54,7 +54,8 @@ def test_architecture_from_a_local_config_the_tiny_model_or_an_error(tmp_path):
         "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}))
     arch = architecture(load_params(None, {"model.base": str(tmp_path)}))
     assert arch == Architecture(2, 64, 192, 4, 2, 16, 1000, True)
-    assert architecture(load_params(REPO / "params" / "smoke.yaml")).layers == 2
+    smoke = load_params(REPO / "params" / "smoke.yaml")
+    assert architecture(smoke).layers == smoke.model.tiny.num_layers
     with pytest.raises(ParamsError, match="config.json"):
         architecture(load_params(None, {"model.base": "someone/unknown-model"}))
 
