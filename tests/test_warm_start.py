@@ -210,11 +210,13 @@ def test_smoke_params_warm_the_tiny_model_and_share_its_shape():
 
 #: Measured on 16 held-out documents x 2 Challenger rollouts (README, "The smoke model"): task rate 0.625
 #: (20/32), answer rate 0.65, every Judge reply parsed on the first try, 20/20 tasks through the gates, 15 of
-#: 20 graded tasks in the window. The build is deterministic, so these repeat; the thresholds sit a margin
-#: below (other CPUs may round differently). The random tiny model scores 0 on each.
-MIN_TASK_RATE = 0.55
-MIN_ANSWER_RATE = 0.55
-MIN_JUDGE_PARSE_RATE = 0.9
+#: 20 graded tasks in the window. The build is deterministic on one machine, so these repeat there; the
+#: thresholds sit well below, because another CPU rounds differently and a tiny model's build is a lottery
+#: between roles (nearby recipes measured 0.63-0.97 tasks, 0.65-0.93 answers, 0.83-1.0 Judge). The random tiny
+#: model scores 0 on each.
+MIN_TASK_RATE = 0.4
+MIN_ANSWER_RATE = 0.4
+MIN_JUDGE_PARSE_RATE = 0.8
 
 
 @pytest.fixture(scope="session")
