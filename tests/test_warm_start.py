@@ -228,7 +228,7 @@ def smoke_params(shared_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def warm_smoke_model(smoke_params) -> Path:
     """The smoke run's warm-started model, from the shared cache ($SCOPE_CACHE_DIR or ~/.cache/scope):
-    built once (about 3 minutes on 2 CPU cores) and then reused by these tests, the notebooks and `make demo`."""
+    built once (about 4 minutes on 2 CPU cores) and then reused by these tests, the notebooks and `make demo`."""
     started = time.perf_counter()
     path = tiny.tiny_model_path(smoke_params.corpus_path, smoke_params.model.tiny)
     print(f"warm smoke model ready in {time.perf_counter() - started:.0f} s: {path}")
