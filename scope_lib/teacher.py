@@ -3,9 +3,9 @@
 A random tiny model writes nothing parseable, so a CPU smoke run shows zeros. The warm start (`scope_lib.tiny`)
 fine-tunes it on traces that this teacher writes from the corpus, for every role SCOPE has:
 
-- Challenger: think, search for an entity (the source document's title or a name in its text, then a title from
+- Challenger: search for an entity (the source document's title or a name in its text, then a title from
   the previous results), ..., then a task of the requested type naming what was searched.
-- Solver: think, search for a name from the task, ..., then an answer built from retrieved sentences.
+- Solver: search for a name from the task, ..., then an answer built from retrieved sentences.
 - Judge: gate verdicts, three rubrics with priorities (each naming one fact of the source document), and one
   `<score>` per (answer, rubric) that is 1 exactly when the answer contains the rubric's fact.
 
