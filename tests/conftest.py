@@ -62,3 +62,18 @@ def minilm_embedder():
     embedder.cache = EmbeddingCache(embedder.model_id)
     return embedder
 
+
+@pytest.fixture(scope="module")
+def retriever(params):
+    """The index of the test module's own `params` fixture, built once per module."""
+    from scope_lib.retrieval import build_or_open_index
+
+    return build_or_open_index(params, progress=False)
+
+
+@pytest.fixture(scope="module")
+def passages(wiki_sample):
+    """The real wiki-18 sample's passages."""
+    from scope_lib.corpus import read_corpus
+
+    return read_corpus(wiki_sample).passages

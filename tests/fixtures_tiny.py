@@ -23,6 +23,33 @@ _WORDS = ("the", "of", "and", "in", "was", "a", "river", "city", "born", "album"
           "village", "district", "series", "novel", "band", "school", "bridge", "railway", "language")
 
 
+def weights_hash(path: Path) -> str:
+    """sha256 over a saved model's weights (names and bytes, in name order)."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap `module.name` so every call appends its first argument to the returned list (and still runs)."""
+    real = getattr(module, name)
+    calls: list = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 def shared_data_dir() -> Path:
     """$SCOPE_DATA_DIR (made absolute: tests and notebooks change directory), else ../shared/data."""
     env = os.environ.get("SCOPE_DATA_DIR")

@@ -33,7 +33,6 @@ from scope_lib.evaluation import (
 )
 from scope_lib.judge import Judge
 from scope_lib.parsing import Rubric
-from scope_lib.retrieval import build_or_open_index
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
@@ -67,11 +66,6 @@ def params(shared_data, tiny_model_dir, tmp_path_factory):
         "evaluation.max_answer_tokens": 128, "evaluation.data_files": {
             "nq": "qa/nq.jsonl", "healthbench": "openended/healthbench_sample.jsonl",
             "researchqa": str(FIXTURES / "researchqa_test.json")}})
-
-
-@pytest.fixture(scope="module")
-def retriever(params):
-    return build_or_open_index(params, progress=False)
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------

@@ -9,10 +9,9 @@ import pytest
 from scripted_engine import ScriptedEngine
 
 from scope_lib.config import load_params
-from scope_lib.corpus import read_corpus
 from scope_lib.dialects import get_dialect
 from scope_lib.judge import Judge
-from scope_lib.retrieval import Hit, build_or_open_index
+from scope_lib.retrieval import Hit
 from scope_lib.rollout import (
     apportion,
     challenger_trajectories,
@@ -36,16 +35,6 @@ def params(wiki_sample, tmp_path_factory):
         "challenger.max_response_tokens": 4096, "solver.max_new_tokens_per_turn": 256,
         "solver.max_response_tokens": 4096, "retrieval.max_result_tokens": 200,
         "judge.rubric_max_tokens": 512, "judge.gate_max_tokens": 64, "judge.grading_max_tokens": 64})
-
-
-@pytest.fixture(scope="module")
-def retriever(params):
-    return build_or_open_index(params, progress=False)
-
-
-@pytest.fixture(scope="module")
-def passages(wiki_sample):
-    return read_corpus(wiki_sample).passages
 
 
 def _challenger_batch(passages, dialect, tok, n=6):

@@ -13,9 +13,7 @@ from servers import JSONHandler, loopback
 from test_training import build_trainer, challenger_stage
 from training_helpers import AlternatingEngine, fast_params, load_policy
 
-from scope_lib.corpus import read_corpus
 from scope_lib.engines import EngineRequestError, OpenAIEngine, Sampling, VLLMEngine
-from scope_lib.retrieval import build_or_open_index
 from scope_lib.training import importance_ratio, serves_adapters
 
 
@@ -63,16 +61,6 @@ def _logprobs(policy, role, prompt, completion, temperature):
 @pytest.fixture(scope="module")
 def params(tmp_path_factory, wiki_sample):
     return fast_params(tmp_path_factory.mktemp("runs"), wiki_sample.parent, **{"selfplay.steps_per_role": 2})
-
-
-@pytest.fixture(scope="module")
-def retriever(params):
-    return build_or_open_index(params, progress=False)
-
-
-@pytest.fixture(scope="module")
-def passages(wiki_sample):
-    return read_corpus(wiki_sample).passages
 
 
 @pytest.mark.parametrize("dialect", ["qwen2.5", "qwen3"])

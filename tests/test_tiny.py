@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures_tiny import write_synthetic_corpus
+from fixtures_tiny import count_calls, weights_hash, write_synthetic_corpus
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib import tiny
@@ -28,23 +27,14 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def _weights_hash(path: Path) -> str:
-    model = AutoModelForCausalLM.from_pretrained(path)
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def test_build_is_deterministic_by_seed(small_corpus, tmp_path):
     a = tiny.build_tiny_model(tmp_path / "a", small_corpus, TinyModelConfig(seed=0, **SMALL))
     b = tiny.build_tiny_model(tmp_path / "b", small_corpus, TinyModelConfig(seed=0, **SMALL))
     c = tiny.build_tiny_model(tmp_path / "c", small_corpus, TinyModelConfig(seed=1, **SMALL))
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     assert (a / "chat_template.jinja").read_text() == (b / "chat_template.jinja").read_text()
-    assert _weights_hash(a) == _weights_hash(b)
-    assert _weights_hash(a) != _weights_hash(c)
+    assert weights_hash(a) == weights_hash(b)
+    assert weights_hash(a) != weights_hash(c)
     info = json.loads((a / "scope_tiny.json").read_text())
     assert info["config"]["seed"] == 0 and info["vocab_size"] <= SMALL["vocab_size"]
 
@@ -107,14 +97,7 @@ def test_chat_template_renders_chatml(tokenizer):
 
 
 def test_tiny_model_path_builds_once_atomically(small_corpus, tmp_path, monkeypatch):
-    builds = []
-    real_build = tiny.build_tiny_model
-
-    def counting_build(*args, **kwargs):
-        builds.append(args[0])
-        return real_build(*args, **kwargs)
-
-    monkeypatch.setattr(tiny, "build_tiny_model", counting_build)
+    builds = count_calls(monkeypatch, tiny, "build_tiny_model")
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path / "cache"))
     cfg = TinyModelConfig(**SMALL)
     first = tiny.tiny_model_path(small_corpus, cfg)

@@ -14,10 +14,8 @@ from training_helpers import AlternatingEngine, fast_params, load_policy
 from transformers import AutoModelForCausalLM
 
 from scope_lib.config import ParamsError
-from scope_lib.corpus import read_corpus
 from scope_lib.dialects import get_dialect
 from scope_lib.judge import Judge
-from scope_lib.retrieval import build_or_open_index
 from scope_lib.rollout import make_challenger_prompts
 from scope_lib.runs import Stage
 from scope_lib.training import (
@@ -33,16 +31,6 @@ from scope_lib.training import (
 @pytest.fixture(scope="module")
 def params(tmp_path_factory, wiki_sample):
     return fast_params(tmp_path_factory.mktemp("runs"), wiki_sample.parent)
-
-
-@pytest.fixture(scope="module")
-def retriever(params):
-    return build_or_open_index(params, progress=False)
-
-
-@pytest.fixture(scope="module")
-def passages(wiki_sample):
-    return read_corpus(wiki_sample).passages
 
 
 def challenger_stage(policy, retriever, passages, tmp_path, dialect="qwen2.5"):

@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from fixtures_tiny import count_calls, weights_hash
+from transformers import AutoTokenizer
 
 from scope_lib import parsing, teacher, tiny
 from scope_lib.config import TinyModelConfig, WarmStartConfig, load_params
@@ -32,15 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 #: A warm start small enough to build twice in a test (seconds): few documents, a narrow model, few steps.
 SMALL_WARM = dict(vocab_size=8192, hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=4096)
 SMALL_WS = dict(enabled=True, documents=12, epochs=0.25, batch_size=8)
-
-
-def _weights_hash(path: Path) -> str:
-    model = AutoModelForCausalLM.from_pretrained(path)
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _spans(example: teacher.Example, tokenizer) -> list[str]:
@@ -146,25 +137,18 @@ def test_split_holds_out_a_seeded_share(wiki_sample):
 
 
 def test_warm_start_is_deterministic_and_cached(wiki_sample, tmp_path, monkeypatch):
-    builds = []
-    real = tiny.warm_start
-
-    def counting(*args, **kwargs):
-        builds.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tiny, "warm_start", counting)
+    builds = count_calls(monkeypatch, tiny, "warm_start")
     cfg = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
     a = tiny.tiny_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
     again = tiny.tiny_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
     b = tiny.tiny_model_path(wiki_sample, cfg, cache_dir=tmp_path / "b")
     assert a == again and len(builds) == 2                       # reused from the cache, not rebuilt
-    assert _weights_hash(a) == _weights_hash(b)                   # same seed, same weights
+    assert weights_hash(a) == weights_hash(b)                   # same seed, same weights
     random_weights = tiny.build_tiny_model(tmp_path / "r", wiki_sample, cfg)
-    assert _weights_hash(a) != _weights_hash(random_weights)      # the SFT moved them
+    assert weights_hash(a) != weights_hash(random_weights)      # the SFT moved them
     other = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**{**SMALL_WS, "seed": 1}))
     c = tiny.tiny_model_path(wiki_sample, other, cache_dir=tmp_path / "a")
-    assert c != a and _weights_hash(c) != _weights_hash(a)
+    assert c != a and weights_hash(c) != weights_hash(a)
     info = (a / "scope_tiny.json").read_text()
     assert '"warm_start"' in info and '"steps"' in info
     # a normal HF model folder: the loader every engine uses takes it as it is
