@@ -28,7 +28,8 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     """chdir to the repository root, configure logging and figures for a report, and load the parameters."""
     os.chdir(repo_root())
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("httpx", "chromadb", "urllib3", "sentence_transformers", "transformers", "datasets"):
+    for noisy in ("httpx", "chromadb", "urllib3", "sentence_transformers", "transformers", "datasets",
+                   "faiss"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _report_figures()
     loaded = load_params(params, overrides or [])

@@ -262,15 +262,22 @@ def _index_name(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
 
 
 class _ProgressLog:
-    """A trainer callback that logs SFT progress (loss, steps) through `logging`."""
+    """A trainer callback that logs SFT progress (loss, steps) through `logging`: about ten lines a build at
+    INFO (a report shows them), every logged step at DEBUG."""
 
     def __new__(cls):
         from transformers import TrainerCallback
 
         class Callback(TrainerCallback):
+            reported = 0
+
             def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    log.info("warm start step %d/%d: loss %.3f", state.global_step, state.max_steps, logs["loss"])
+                if not logs or "loss" not in logs:
+                    return
+                tenth = 10 * state.global_step // max(1, state.max_steps)
+                level = logging.INFO if tenth > self.reported else logging.DEBUG
+                self.reported = max(self.reported, tenth)
+                log.log(level, "warm start step %d/%d: loss %.3f", state.global_step, state.max_steps, logs["loss"])
 
         return Callback()
 
