@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean readme-figure
 
 install: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml constraints.txt
 # Every notebook, executed with papermill under the smoke parameters -> runs/smoke/reports/ (.ipynb + .html).
 demo: $(STAMP)
 	$(BIN)/scope run $(PARAMS)
+
+# The README's copy of notebook 04's Solver figure, from the demo's run folder (after `make demo`).
+readme-figure: $(STAMP)
+	$(BIN)/python -c "from scope_lib.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
 
 # The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
 test: $(STAMP)

@@ -836,6 +836,11 @@ class ProtocolRates:
     challenger_groups_with_spread: int = 0   # prompts whose Challenger rollouts got different rewards R_C
     mean_solver_reward: float = 0.0
     mean_challenger_reward: float = 0.0
+    # What the parsed text says, checked by the teacher's own rules (the warm start's content, not its format):
+    rubric_facts: int = 0                # rubrics written
+    rubric_facts_in_source: int = 0      # rubrics whose fact ("Mentions X.") the source document contains
+    grades: int = 0                      # parsed per-rubric verdicts
+    grades_agreeing: int = 0             # verdicts equal to the teacher's rule (1 iff the answer holds the fact)
 
     @property
     def task_rate(self) -> float:
@@ -861,7 +866,9 @@ class ProtocolRates:
             "tasks in window": f"{self.tasks_in_window}/{self.tasks_graded}",
             "Solver groups with reward spread": f"{self.solver_groups_with_spread}/{self.solver_groups}",
             "Challenger groups with reward spread": f"{self.challenger_groups_with_spread}/{self.challenger_groups}",
-            "mean R_S": round(self.mean_solver_reward, 3), "mean R_C": round(self.mean_challenger_reward, 3)}
+            "mean R_S": round(self.mean_solver_reward, 3), "mean R_C": round(self.mean_challenger_reward, 3),
+            "rubric facts in the source": f"{self.rubric_facts_in_source}/{self.rubric_facts}",
+            "grades agreeing with the teacher's rule": f"{self.grades_agreeing}/{self.grades}"}
         for stage in self.judge:
             row[f"Judge {stage} parse rate"] = round(self.judge_rate(stage), 3)
         return row
@@ -912,4 +919,20 @@ def measure_protocol(params: Params, policy, judge: Judge, retriever: Retriever,
     rates.challenger_groups = len(by_prompt)
     rates.challenger_groups_with_spread = sum(max(v) > min(v) for v in by_prompt.values())
     rates.mean_challenger_reward = sum(e.reward for e in evals) / len(evals) if evals else 0.0
+    _check_content(rates, evals, graded, {d.id: d.document for d in documents})
     return rates, evals, graded, trajectories
+
+
+def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str]) -> None:
+    """Count rubrics that name a fact of their source document, and verdicts that match the teacher's rule."""
+    by_task = {e.challenger_id: e for e in evals}
+    for e in evals:
+        for rubric in e.rubrics or []:
+            rates.rubric_facts += 1
+            rates.rubric_facts_in_source += _contains(sources.get(e.document_id, ""), rubric_fact(rubric.text))
+    for g in graded:
+        rubrics = by_task[g.trajectory.meta["challenger_id"]].rubrics or []
+        for rubric, verdict in zip(rubrics, g.verdicts, strict=False):
+            if verdict is not None:
+                rates.grades += 1
+                rates.grades_agreeing += verdict == int(_contains(g.trajectory.answer or "", rubric_fact(rubric.text)))

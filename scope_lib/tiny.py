@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 #: Bump when the recipe below changes, so cached builds from an older recipe are not reused.
 RECIPE_VERSION = 1
 #: Bump when the warm start's SFT recipe changes (the teacher has its own TEACHER_VERSION).
-WARM_RECIPE_VERSION = 1
-#: Weight of name tokens in the warm start's loss: names are what the tiny model must learn to copy from its
-#: context, and they are few among the assistant's tokens.
+WARM_RECIPE_VERSION = 2
+#: Where a name comes, the share of the warm start's loss on WHICH name (the rest is on "a name comes here";
+#: `_sft_trainer_class`). Without the class term a tiny model spreads its guess over a thousand names, and a
+#: single protocol word ("Plan" after <search>) outweighs each of them: on 16 held-out documents the class term
+#: took the Challenger's task rate from 0.72 to 0.92 and the Solver's answer rate from 0.70 to 0.86.
 NAME_LOSS_WEIGHT = 0.1
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -245,8 +247,10 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike,
 
 def _config_record(cfg: TinyModelConfig) -> dict[str, Any]:
     """The config as it enters the cache key: warm-start settings only when the warm start is on, so the
-    random model's key does not move with settings it ignores."""
-    return cfg.model_dump(mode="json", exclude=None if cfg.warm_start.enabled else {"warm_start"})
+    random model's key does not move with settings it ignores; never the SFT thread count (1 and 2 threads
+    gave bit-identical weights)."""
+    return cfg.model_dump(mode="json", exclude={"warm_start": {"threads"}} if cfg.warm_start.enabled
+                          else {"warm_start"})
 
 
 # -- warm start ------------------------------------------------------------------------------------
@@ -285,7 +289,12 @@ class _ProgressLog:
 def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1.0):
     """TRL's SFTTrainer, with the loss computed here: TRL 1.15 always scores through its fused LM head, whose
     kernel needs Triton, which CPU-only torch lacks. The loss is the token mean over the assistant's tokens,
-    projecting only those positions through the LM head; tokens in `name_ids` count `name_weight` times."""
+    projecting only those positions through the LM head.
+
+    Where the target is a name (a token of `name_ids`), the loss is `name_weight` x the token's cross-entropy
+    plus (1 - `name_weight`) x the cross-entropy of the name *class* (-log of the total probability of all
+    names): the model must be sure that a name comes there, and learns which one mostly by copying it from
+    the context rather than by memorising it."""
     import torch
     from trl import SFTTrainer
 
@@ -300,10 +309,16 @@ def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1
             logits = model.get_output_embeddings()(hidden[mask]).float()
             per_token = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
             if name_ids and name_weight != 1.0:
+                names = torch.as_tensor(name_ids, device=logits.device)
                 lookup = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-                lookup[torch.as_tensor(name_ids, device=logits.device)] = True
-                weights = torch.where(lookup[targets], name_weight, 1.0)
-                loss = (per_token * weights).sum() / weights.sum().clamp(min=1)
+                lookup[names] = True
+                is_name = lookup[targets]
+                total = torch.where(is_name, name_weight * per_token, per_token).sum()
+                if is_name.any():
+                    at_names = logits[is_name]
+                    name_class = torch.logsumexp(at_names, -1) - torch.logsumexp(at_names[:, names], -1)
+                    total = total + (1.0 - name_weight) * name_class.sum()
+                loss = total / max(1, targets.numel())
             else:
                 count = num_items_in_batch if num_items_in_batch is not None else mask.sum()
                 loss = per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
@@ -345,7 +360,7 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
         raise TinyModelError(f"model.tiny.max_position_embeddings ({cfg.max_position_embeddings}) is shorter than "
                              f"the longest teacher example ({longest} tokens)")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from threads; on a busy machine they spin
+    torch.set_num_threads(ws.threads)
     with torch.random.fork_rng(devices=[]):
         model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
         work = Path(tempfile.mkdtemp(prefix=".sft-", dir=out))

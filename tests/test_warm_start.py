@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_tiny import count_calls, weights_hash
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib import parsing, teacher, tiny
 from scope_lib.config import TinyModelConfig, WarmStartConfig, load_params
@@ -156,6 +156,37 @@ def test_warm_start_is_deterministic_and_cached(wiki_sample, tmp_path, monkeypat
     assert model.config.model_type == "qwen3" and tok.padding_side == "left"
 
 
+def test_name_loss_splits_which_name_from_a_name(warm_tokenizer_dir):
+    """Where the target is a name: w x its cross-entropy + (1 - w) x -log P(any name); elsewhere plain CE."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(warm_tokenizer_dir)
+    vocab = model.config.vocab_size
+    names = [5, 7, 11]
+    ids = torch.tensor([[3, 5, 9, 7, 2, 11]])
+    labels = torch.tensor([[-100, 5, 9, 7, -100, 11]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    w = 0.25
+    with torch.no_grad():
+        loss = tiny._sft_trainer_class(names, w).compute_loss(None, model, inputs)
+        plain = tiny._sft_trainer_class(names, 1.0).compute_loss(None, model, inputs)
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, -1)
+    expected = []
+    for pos, target in enumerate(labels[0, 1:].tolist()):
+        if target == -100:
+            continue
+        ce = -logp[pos, target]
+        if target in names:
+            expected.append(w * ce - (1 - w) * torch.logsumexp(logp[pos, names], -1))
+        else:
+            expected.append(ce)
+    assert vocab > max(names)
+    assert float(loss) == pytest.approx(float(torch.stack(expected).mean()), rel=1e-5)
+    ce_mean = torch.stack([-logp[p, t] for p, t in enumerate(labels[0, 1:].tolist()) if t != -100]).mean()
+    assert float(plain) == pytest.approx(float(ce_mean), rel=1e-5)
+    assert float(loss) < float(plain)       # P(any name) >= P(that name): the class term is the easier one
+
+
 def test_cache_key_follows_prompts_and_teacher(wiki_sample, monkeypatch):
     warm = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
     key = tiny.cache_key(wiki_sample, warm)
@@ -174,6 +205,11 @@ def test_cache_key_follows_prompts_and_teacher(wiki_sample, monkeypatch):
     assert tiny.cache_key(wiki_sample, plain) == tiny.cache_key(
         wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(epochs=5.0)))
     assert tiny.cache_key(wiki_sample, plain) != key
+    # the SFT thread count does not change the weights (measured bit-identical), so not the key either
+    threads = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS, threads=1))
+    assert tiny.cache_key(wiki_sample, threads) == key
+    assert tiny.cache_key(wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(
+        **{**SMALL_WS, "epochs": 0.5}))) != key
 
 
 def test_smoke_params_warm_the_tiny_model_and_share_its_shape():
@@ -192,15 +228,15 @@ def test_smoke_params_warm_the_tiny_model_and_share_its_shape():
 
 # -- the warmed smoke model on held-out documents -------------------------------------------------------------
 
-#: Measured on 16 held-out documents x 2 Challenger rollouts (README, "The smoke model"): task rate 0.625
-#: (20/32), answer rate 0.65, every Judge reply parsed on the first try, 20/20 tasks through the gates, 15 of
-#: 20 graded tasks in the window. The build is deterministic on one machine, so these repeat there; the
-#: thresholds sit well below, because another CPU rounds differently and a tiny model's build is a lottery
-#: between roles (nearby recipes measured 0.63-0.97 tasks, 0.65-0.93 answers, 0.83-1.0 Judge). The random tiny
-#: model scores 0 on each.
-MIN_TASK_RATE = 0.4
-MIN_ANSWER_RATE = 0.4
-MIN_JUDGE_PARSE_RATE = 0.8
+#: Measured on 16 held-out documents x 2 Challenger rollouts, prompt seed 0 (README, "The smoke model"): task
+#: rate 0.938 (30/32), answer rate 0.883, every Judge reply parsed on the first try, 30/30 tasks through the
+#: gates, 18 of 30 graded tasks in the window (seeds 1-2: 0.906-1.0 tasks, 0.845-0.938 answers). The build is
+#: deterministic on one machine, so these repeat there; the thresholds sit below, because another CPU rounds
+#: differently and a tiny model's build is a lottery between roles (sibling recipes measured 0.69-0.94 tasks,
+#: 0.70-0.88 answers). The random tiny model scores 0 on each.
+MIN_TASK_RATE = 0.75
+MIN_ANSWER_RATE = 0.7
+MIN_JUDGE_PARSE_RATE = 0.9
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +248,7 @@ def smoke_params(shared_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def warm_smoke_model(smoke_params) -> Path:
     """The smoke run's warm-started model, from the shared cache ($SCOPE_CACHE_DIR or ~/.cache/scope):
-    built once (about 4 minutes on 2 CPU cores) and then reused by these tests, the notebooks and `make demo`."""
+    built once (under 3 minutes on 2 CPU cores) and then reused by these tests, the notebooks and `make demo`."""
     started = time.perf_counter()
     path = tiny.tiny_model_path(smoke_params.corpus_path, smoke_params.model.tiny)
     print(f"warm smoke model ready in {time.perf_counter() - started:.0f} s: {path}")
@@ -235,3 +271,26 @@ def test_warmed_smoke_model_speaks_the_protocol_on_held_out_documents(smoke_para
     assert rates.gates_passed >= 1 and rates.tasks_in_window >= 1
     assert rates.solver_groups_with_spread >= 1
     assert any(e.rubrics for e in evals) and any(g.rubric_score > 0 for g in graded)
+    assert rates.rubric_facts == sum(len(e.rubrics or []) for e in evals)
+    assert rates.grades == sum(v is not None for g in graded for v in g.verdicts)
+
+
+def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
+    """The content measures of ProtocolRates, on hand-made records: a rubric fact counts as grounded when the
+    source contains it; a verdict agrees when it is 1 exactly for an answer holding the fact."""
+    from scope_lib.parsing import Rubric
+    from scope_lib.rewards import FormatScore
+    from scope_lib.rollout import Trajectory
+    from scope_lib.selfplay import GradedSolverRollout, TaskEvaluation
+
+    e = TaskEvaluation("c0", "d0", "long_form_qa", 1, "Explain Paris.", FormatScore(1, 1, 1),
+                       rubrics=[Rubric("Mentions Seine."), Rubric("Mentions 1889."), Rubric("Mentions Rome.")])
+    answers = {"s0": "Paris is linked to Seine.", "s1": "Paris is a well-known subject."}
+    graded = [GradedSolverRollout(Trajectory(i, "solver", [], [], meta={"challenger_id": "c0"}, answer=a),
+                                  verdicts=v, rubric_score=0.0)
+              for (i, a), v in zip(answers.items(), [[1, 1, None], [0, 1, 0]], strict=True)]
+    rates = teacher.ProtocolRates()
+    teacher._check_content(rates, [e], graded, {"d0": "(Title: Paris)\nThe Seine crosses Paris since 1889."})
+    assert (rates.rubric_facts_in_source, rates.rubric_facts) == (2, 3)
+    # s0: Seine 1 (agrees), 1889 1 (disagrees), None skipped; s1: Seine 0 (agrees), 1889 1 (disagrees), Rome 0
+    assert (rates.grades_agreeing, rates.grades) == (3, 5)
