@@ -5,7 +5,7 @@ speaks the protocol on documents the teacher never read.
 
 Each build runs in a fresh temporary cache (the teacher's index is rebuilt too, as on a first run); the load
 average is printed with each build because the 2 CPU cores are shared. The protocol rates are measured with
-`scope_lib.teacher.measure_protocol` (Challenger groups of 2, the run's Solver rollouts per task, gates,
+`scope_lib.protocol_check.measure_protocol` (Challenger groups of 2, the run's Solver rollouts per task, gates,
 rubrics, grades, R_C and R_S) under the run's sampling, `--repeats` times with different prompt seeds (task types, search counts).
 Prints markdown tables.
 """
@@ -75,9 +75,10 @@ def main() -> None:
     from scope_lib.corpus import read_corpus
     from scope_lib.engines import HFEngine
     from scope_lib.judge import make_judge
+    from scope_lib.protocol_check import measure_protocol
     from scope_lib.retrieval import build_or_open_index
     from scope_lib.rollout import challenger_trajectories, make_challenger_prompts
-    from scope_lib.teacher import held_out_documents, measure_protocol
+    from scope_lib.teacher import held_out_documents
 
     params = load_params(args.params)
     if args.builds:

@@ -42,7 +42,7 @@ from scope_lib.config import Params, WarmStartConfig, validate_params
 from scope_lib.corpus import Passage, permutation_slice, read_corpus
 from scope_lib.dialects import DIALECTS, Dialect, get_dialect
 from scope_lib.engines import Completion, Sampling
-from scope_lib.judge import Judge, make_judge
+from scope_lib.judge import make_judge
 from scope_lib.retrieval import Retriever
 from scope_lib.rollout import (
     ChallengerPrompt,
@@ -190,7 +190,8 @@ def title_words(title: str) -> list[str]:
     return [w.strip(",.()") for w in title.split()]
 
 
-def _contains(haystack: str, needle: str) -> bool:
+def mentions(haystack: str, needle: str) -> bool:
+    """Whether `needle` occurs in `haystack` as a whole word, ignoring case."""
     return re.search(rf"(?<![\w]){re.escape(needle)}(?![\w])", haystack, re.IGNORECASE) is not None
 
 
@@ -383,7 +384,7 @@ class ChallengerTeacher:
             found = self.names.names(body, exclude=title_words(title)) or self.names.names(title)
             return (found[0], "source") if found else None
         fresh = [n for n in self.names.names(traj.searches[-1].results)
-                 if n not in searched and not _contains(document, n)]
+                 if n not in searched and not mentions(document, n)]
         fresh = fresh or [n for n in self.names.names(traj.searches[-1].results) if n not in searched]
         return (fresh[0], "results") if fresh else None
 
@@ -503,13 +504,13 @@ class JudgeTeacher:
         if gate == "entity_identifiability":
             verdict = int(bool(named))
         else:
-            verdict = int(any(_contains(document, n) for n in named))
+            verdict = int(any(mentions(document, n) for n in named))
         return verdict, f"<score>{verdict}</score>"
 
     def rubrics(self, task: str, document: str, rng: random.Random) -> tuple[list[str], str]:
         """(rubric texts, reply): 3-5 rubrics, each naming one fact of the source that the task does not."""
         title, body = document.split("\n", 1) if "\n" in document else ("", document)
-        facts = [f for f in self.names.facts(body) if not _contains(task, f)]
+        facts = [f for f in self.names.facts(body) if not mentions(task, f)]
         facts += [f for f in self.names.facts(body) + self.names.names(title) if f not in facts]
         chosen = facts[:RUBRICS_PER_TASK]
         if len(chosen) < 3:
@@ -523,7 +524,7 @@ class JudgeTeacher:
         raise TeacherError(f"three rubrics do not fit in {RUBRIC_MAX_TOKENS} tokens: {texts}")
 
     def grade(self, answer: str, rubric: str) -> tuple[int, str]:
-        verdict = int(_contains(answer, rubric_fact(rubric)))
+        verdict = int(mentions(answer, rubric_fact(rubric)))
         return verdict, f"<score>{verdict}</score>"
 
 
@@ -812,127 +813,3 @@ def protocol_texts(passages: Sequence[str], seed: int = 0) -> list[str]:
                      f'"important">Mentions 1990.</rubric>\n<rubric priority="bonus">Mentions '
                      f'{names[-1]}.</rubric>\n</rubrics>')
     return texts
-
-
-# -- measuring a model on the protocol -----------------------------------------------------------------------
-
-
-@dataclass
-class ProtocolRates:
-    """How well a model speaks the protocol over a batch of documents: what the warm start is for."""
-
-    challenger_rollouts: int = 0
-    challenger_tasks: int = 0            # rollouts that ended with a parseable <task>
-    solver_rollouts: int = 0
-    solver_answers: int = 0              # rollouts that ended with a parseable <answer>
-    judge: dict[str, dict[str, int]] = field(default_factory=dict)   # stage -> prompts, parsed_first, parsed
-    tasks_gated: int = 0                 # tasks with a non-zero format score sent to the gates
-    gates_passed: int = 0
-    tasks_graded: int = 0                # tasks with rubrics whose Solver rollouts were graded
-    tasks_in_window: int = 0             # graded tasks with l <= g-bar <= u
-    solver_groups: int = 0
-    solver_groups_with_spread: int = 0   # tasks whose Solver rollouts got different rewards R_S
-    challenger_groups: int = 0
-    challenger_groups_with_spread: int = 0   # prompts whose Challenger rollouts got different rewards R_C
-    mean_solver_reward: float = 0.0
-    mean_challenger_reward: float = 0.0
-    # What the parsed text says, checked by the teacher's own rules (the warm start's content, not its format):
-    rubric_facts: int = 0                # rubrics written
-    rubric_facts_in_source: int = 0      # rubrics whose fact ("Mentions X.") the source document contains
-    grades: int = 0                      # parsed per-rubric verdicts
-    grades_agreeing: int = 0             # verdicts equal to the teacher's rule (1 iff the answer holds the fact)
-
-    @property
-    def task_rate(self) -> float:
-        return self.challenger_tasks / self.challenger_rollouts if self.challenger_rollouts else 0.0
-
-    @property
-    def answer_rate(self) -> float:
-        return self.solver_answers / self.solver_rollouts if self.solver_rollouts else 0.0
-
-    def judge_rate(self, stage: str | None = None, *, first_try: bool = True) -> float:
-        """Share of Judge replies that parsed (on the first try, or after the retry), for one stage or all."""
-        stages = [stage] if stage else list(self.judge)
-        asked = sum(self.judge[s]["prompts"] for s in stages if s in self.judge)
-        key = "parsed_first" if first_try else "parsed"
-        return sum(self.judge[s][key] for s in stages if s in self.judge) / asked if asked else 0.0
-
-    def table(self) -> dict[str, Any]:
-        """The rates as one row (for a notebook or a benchmark table)."""
-        row: dict[str, Any] = {
-            "Challenger task rate": round(self.task_rate, 3), "Solver answer rate": round(self.answer_rate, 3),
-            "Judge parse rate (first try)": round(self.judge_rate(), 3),
-            "gate pass": f"{self.gates_passed}/{self.tasks_gated}",
-            "tasks in window": f"{self.tasks_in_window}/{self.tasks_graded}",
-            "Solver groups with reward spread": f"{self.solver_groups_with_spread}/{self.solver_groups}",
-            "Challenger groups with reward spread": f"{self.challenger_groups_with_spread}/{self.challenger_groups}",
-            "mean R_S": round(self.mean_solver_reward, 3), "mean R_C": round(self.mean_challenger_reward, 3),
-            "rubric facts in the source": f"{self.rubric_facts_in_source}/{self.rubric_facts}",
-            "grades agreeing with the teacher's rule": f"{self.grades_agreeing}/{self.grades}"}
-        for stage in self.judge:
-            row[f"Judge {stage} parse rate"] = round(self.judge_rate(stage), 3)
-        return row
-
-
-def measure_protocol(params: Params, policy, judge: Judge, retriever: Retriever, documents: Sequence[Passage], *,
-                     group_size: int = 2, seed: int = 0):
-    """Run Algorithm 1's task evaluation on `documents` with the run's own pieces (Challenger rollouts in
-    groups of `group_size`, gates, rubrics, `selfplay.solver_rollouts_filter` Solver rollouts per task,
-    grades, R_C and R_S) and count how much of it parsed. Returns (ProtocolRates, evaluations, graded Solver
-    rollouts, Challenger trajectories)."""
-    from scope_lib.selfplay import challenger_limits, evaluate_tasks, solver_rewards
-
-    dialect = get_dialect(params.model.dialect, params.model.base)
-    sp = params.selfplay
-    prompts = make_challenger_prompts(list(documents), sp.task_types, sp.search_turn_strata, seed=seed,
-                                      tokenizer=policy.tokenizer, document_max_tokens=sp.document_max_tokens)
-    trajectories = challenger_trajectories(prompts, dialect, policy.tokenizer, group_size)
-    run_rollouts(trajectories, policy, retriever, dialect, challenger_limits(params))
-    before = {stage: (s.prompts, s.retried, s.unparseable) for stage, s in judge.stats.stages.items()}
-    evals, graded, _ = evaluate_tasks(trajectories, {p.id: p for p in prompts}, params=params, judge=judge,
-                                      solver_engine=policy, retriever=retriever, dialect=dialect,
-                                      n_solver=sp.solver_rollouts_filter)
-    solver_rewards(graded, params, dialect, policy.tokenizer)
-    rates = ProtocolRates(challenger_rollouts=len(trajectories),
-                          challenger_tasks=sum(t.task is not None for t in trajectories),
-                          solver_rollouts=len(graded), solver_answers=sum(g.trajectory.answer is not None for g in graded))
-    for stage, s in judge.stats.stages.items():
-        p0, r0, u0 = before.get(stage, (0, 0, 0))
-        asked = s.prompts - p0
-        rates.judge[stage] = {"prompts": asked, "parsed_first": asked - (s.retried - r0),
-                              "parsed": asked - (s.unparseable - u0)}
-    lo, hi = sp.difficulty_window
-    gated = [e for e in evals if e.task is not None and e.format.total > 0]
-    rates.tasks_gated, rates.gates_passed = len(gated), sum(e.gates_passed for e in gated)
-    scored = [e for e in evals if e.mean_score is not None]
-    rates.tasks_graded = len(scored)
-    rates.tasks_in_window = sum(lo <= e.mean_score <= hi for e in scored)
-    by_task: dict[str, list[float]] = {}
-    for g in graded:
-        by_task.setdefault(g.trajectory.meta["challenger_id"], []).append(g.reward)
-    rates.solver_groups = len(by_task)
-    rates.solver_groups_with_spread = sum(max(v) > min(v) for v in by_task.values())
-    rates.mean_solver_reward = sum(g.reward for g in graded) / len(graded) if graded else 0.0
-    by_prompt: dict[str, list[float]] = {}
-    for traj, e in zip(trajectories, evals, strict=True):
-        by_prompt.setdefault(traj.meta["prompt_id"], []).append(e.reward)
-    rates.challenger_groups = len(by_prompt)
-    rates.challenger_groups_with_spread = sum(max(v) > min(v) for v in by_prompt.values())
-    rates.mean_challenger_reward = sum(e.reward for e in evals) / len(evals) if evals else 0.0
-    _check_content(rates, evals, graded, {d.id: d.document for d in documents})
-    return rates, evals, graded, trajectories
-
-
-def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str]) -> None:
-    """Count rubrics that name a fact of their source document, and verdicts that match the teacher's rule."""
-    by_task = {e.challenger_id: e for e in evals}
-    for e in evals:
-        for rubric in e.rubrics or []:
-            rates.rubric_facts += 1
-            rates.rubric_facts_in_source += _contains(sources.get(e.document_id, ""), rubric_fact(rubric.text))
-    for g in graded:
-        rubrics = by_task[g.trajectory.meta["challenger_id"]].rubrics or []
-        for rubric, verdict in zip(rubrics, g.verdicts, strict=False):
-            if verdict is not None:
-                rates.grades += 1
-                rates.grades_agreeing += verdict == int(_contains(g.trajectory.answer or "", rubric_fact(rubric.text)))

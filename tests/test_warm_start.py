@@ -18,7 +18,7 @@ import torch
 from fixtures_tiny import count_calls, weights_hash
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scope_lib import parsing, teacher, tiny
+from scope_lib import parsing, protocol_check, teacher, tiny
 from scope_lib.config import TinyModelConfig, WarmStartConfig, load_params
 from scope_lib.corpus import read_corpus
 from scope_lib.dialects import get_dialect
@@ -262,7 +262,7 @@ def test_warmed_smoke_model_speaks_the_protocol_on_held_out_documents(smoke_para
     engine = HFEngine(model, tok)
     retriever = build_or_open_index(p, progress=False)
     documents = teacher.held_out_documents(read_corpus(p.corpus_path).passages, p.model.tiny.warm_start)[:16]
-    rates, evals, graded, _ = teacher.measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
+    rates, evals, graded, _ = protocol_check.measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
                                                              documents)
     print(rates.table())
     assert rates.task_rate >= MIN_TASK_RATE
@@ -289,8 +289,8 @@ def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
     graded = [GradedSolverRollout(Trajectory(i, "solver", [], [], meta={"challenger_id": "c0"}, answer=a),
                                   verdicts=v, rubric_score=0.0)
               for (i, a), v in zip(answers.items(), [[1, 1, None], [0, 1, 0]], strict=True)]
-    rates = teacher.ProtocolRates()
-    teacher._check_content(rates, [e], graded, {"d0": "(Title: Paris)\nThe Seine crosses Paris since 1889."})
+    rates = protocol_check.ProtocolRates()
+    protocol_check._check_content(rates, [e], graded, {"d0": "(Title: Paris)\nThe Seine crosses Paris since 1889."})
     assert (rates.rubric_facts_in_source, rates.rubric_facts) == (2, 3)
     # s0: Seine 1 (agrees), 1889 1 (disagrees), None skipped; s1: Seine 0 (agrees), 1889 1 (disagrees), Rome 0
     assert (rates.grades_agreeing, rates.grades) == (3, 5)
