@@ -219,27 +219,20 @@ def backoff_s(attempt: int, base_s: float, max_wait_s: float, response=None) -> 
     return min(max(delay, hinted or 0.0), max_wait_s)
 
 
-class RetriesExhausted(RuntimeError):
-    """Every attempt failed with a retryable error; `last` says what the last one was (credentials redacted)."""
-
-    def __init__(self, last: str):
-        super().__init__(last)
-        self.last = last
-
-
 def post_with_retries(client, url: str, body: dict[str, Any], *, max_retries: int, base_s: float,
                       max_wait_s: float, secrets: Iterable[str] = (), abort: threading.Event | None = None,
-                      aborted: type[Exception] = RuntimeError):
+                      unavailable: type[Exception] = RuntimeError, hint: str = ""):
     """POST `body` as JSON until the server gives an answer that retrying cannot change: returns (status,
     JSON payload or None, text) for a 2xx with a JSON body or any 4xx but 429. Connection errors, timeouts,
-    429, 5xx and 2xx bodies that are not JSON are retried with `backoff_s`; then RetriesExhausted. `abort` (set
-    when another request of the batch failed) stops early with `aborted`."""
+    429, 5xx and 2xx bodies that are not JSON are retried with `backoff_s`; when every attempt failed, raises
+    `unavailable` naming the last error and then `hint` (what to check), credentials redacted. `abort` (set
+    when another request of the batch failed) stops early with `unavailable` too."""
     import httpx
 
     last, delay = "", 0.0
     for attempt in range(max_retries + 1):
         if abort is not None and abort.is_set():
-            raise aborted(f"{url}: batch aborted after another request failed")
+            raise unavailable(f"{url}: batch aborted after another request failed")
         if attempt:
             time.sleep(delay)
         try:
@@ -258,7 +251,8 @@ def post_with_retries(client, url: str, body: dict[str, Any], *, max_retries: in
             return status, response.json(), response.text
         except ValueError:
             last, delay = f"reply is not JSON: {response.text[:200]!r}", backoff_s(attempt, base_s, max_wait_s)
-    raise RetriesExhausted(redact(last, secrets))
+    raise unavailable(redact(f"{url}: no usable reply after {max_retries + 1} attempt(s); last error: {last}. {hint}",
+                             secrets))
 
 
 # -- HF transformers -------------------------------------------------------------------------------
@@ -799,16 +793,12 @@ class OpenAIEngine:
         return self._completion(choice, sampling, fmt)
 
     def _post(self, body: dict[str, Any], abort: threading.Event | None) -> dict[str, Any]:
-        try:
-            status, payload, text = post_with_retries(
-                self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
-                max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, aborted=EngineUnavailable)
-        except RetriesExhausted as exc:
-            raise EngineUnavailable(redact(
-                f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {exc.last}. "
-                f"Check that the server is running and reachable at {self.base_url} (e.g. `curl "
-                f"{self.base_url}/v1/models`), that it serves model {body['model']!r}, and engine.base_url / "
-                "engine.judge_base_url in the params.", self._secrets)) from None
+        status, payload, text = post_with_retries(
+            self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
+            max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, unavailable=EngineUnavailable,
+            hint=f"Check that the server is running and reachable at {self.base_url} (e.g. `curl "
+                 f"{self.base_url}/v1/models`), that it serves model {body['model']!r}, and engine.base_url / "
+                 "engine.judge_base_url in the params.")
         if payload is None:
             raise EngineRequestError(redact(f"{self.url}: HTTP {status} for model {body['model']!r}: {text[:500]}",
                                             self._secrets), status=status)

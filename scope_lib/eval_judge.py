@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from scope_lib.engines import Engine, RetriesExhausted, Sampling, post_with_retries, redact
+from scope_lib.engines import Engine, Sampling, post_with_retries, redact
 
 log = logging.getLogger(__name__)
 
@@ -237,16 +237,11 @@ class ChatCompletionsBackend:
 
     def _one(self, request: JudgeRequest, abort: threading.Event) -> JudgeReply:
         body = self.body(request)
-        try:
-            status, payload, text = post_with_retries(
-                self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
-                max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, aborted=JudgeUnavailable)
-        except RetriesExhausted as exc:
-            raise JudgeUnavailable(redact(
-                f"{self.url}: no usable reply after {self.max_retries + 1} attempt(s); last error: {exc.last}. Check "
-                f"that the judge is running and reachable at {self.base_url} (evaluation.judge_base_url) and serves "
-                f"model {body['model']!r}. Replies received so far are cached; re-running resumes.",
-                self._secrets)) from None
+        status, payload, text = post_with_retries(
+            self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
+            max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, unavailable=JudgeUnavailable,
+            hint=f"Check that the judge is running and reachable at {self.base_url} (evaluation.judge_base_url) "
+                 f"and serves model {body['model']!r}. Replies received so far are cached; re-running resumes.")
         if status in (401, 403, 404):
             raise JudgeUnavailable(redact(
                 f"{self.url}: HTTP {status} for judge model {body['model']!r}: {text[:300]}. Check the key in "
