@@ -6,7 +6,8 @@ speaks the protocol on documents the teacher never read.
 Each build runs in a fresh temporary cache (the teacher's index is rebuilt too, as on a first run); the load
 average is printed with each build because the 2 CPU cores are shared. The protocol rates are measured with
 `scope_lib.protocol_check.measure_protocol` (Challenger groups of 2, the run's Solver rollouts per task, gates,
-rubrics, grades, R_C and R_S) under the run's sampling, `--repeats` times with different prompt seeds (task types, search counts).
+rubrics, grades, R_C and R_S) under the run's sampling, `--repeats` times with different prompt seeds (task types, search counts);
+then `grader_sensitivity`: the Judge's verdicts on controlled answers that hold or miss the rubric's fact.
 Prints markdown tables.
 """
 
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--builds", type=int, default=1, help="fresh warm-start builds to time")
     parser.add_argument("--documents", type=int, default=16, help="held-out documents for the protocol rates")
     parser.add_argument("--repeats", type=int, default=1, help="protocol measurements (prompt seeds 0..)")
+    parser.add_argument("--probe-documents", type=int, default=100,
+                        help="held-out documents for the grader-sensitivity probe")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -75,10 +78,10 @@ def main() -> None:
     from scope_lib.corpus import read_corpus
     from scope_lib.engines import HFEngine
     from scope_lib.judge import make_judge
-    from scope_lib.protocol_check import measure_protocol
+    from scope_lib.protocol_check import grader_sensitivity, measure_protocol
     from scope_lib.retrieval import build_or_open_index
     from scope_lib.rollout import challenger_trajectories, make_challenger_prompts
-    from scope_lib.teacher import held_out_documents
+    from scope_lib.teacher import Names, held_out_documents
 
     params = load_params(args.params)
     if args.builds:
@@ -112,7 +115,15 @@ def main() -> None:
                                      seed=seed)
         rows.append({"seed": seed, **rates.table(), "s": round(time.perf_counter() - started, 1)})
     print(f"## Protocol rates on {len(documents)} held-out documents\n")
-    print(_table(rows))
+    print(_table(rows) + "\n")
+
+    # Do the grades follow the answer? Controlled pairs on more held-out documents (the rollouts' own answers
+    # rarely hold a rubric's fact, so their grades cannot tell a reading grader from a blind one).
+    probe_documents = held_out_documents(passages, params.model.tiny.warm_start)[:args.probe_documents]
+    probe = grader_sensitivity(make_judge(params, lambda _m: engine), probe_documents, Names(tokenizer))
+    print(f"## Grader sensitivity on {len(probe_documents)} held-out documents (grading temperature "
+          f"{params.judge.grading_temperature}; the Judge seeds itself, so one run)\n")
+    print(_table([probe.table()]))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ model's warm start (`scope_lib.tiny`, `scope_lib.teacher`) is judged by; it live
 that editing a measurement does not change the teacher's fingerprint and rebuild cached models.
 
     rates, evals, graded, trajectories = measure_protocol(params, engine, judge, retriever, documents)
+    probe = grader_sensitivity(judge, documents, Names(tokenizer))   # do the grades follow the answer?
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from scope_lib.dialects import get_dialect
 from scope_lib.judge import Judge
 from scope_lib.retrieval import Retriever
 from scope_lib.rollout import challenger_trajectories, make_challenger_prompts, run_rollouts
-from scope_lib.teacher import mentions, rubric_fact
+from scope_lib.teacher import Names, mentions, rubric_fact
 
 
 @dataclass
@@ -141,3 +142,66 @@ def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str])
             if verdict is not None:
                 rates.grades += 1
                 rates.grades_agreeing += verdict == int(mentions(g.trajectory.answer or "", rubric_fact(rubric.text)))
+
+
+@dataclass
+class GraderSensitivity:
+    """The Judge's grades on controlled pairs: the same answer against a rubric naming a fact it holds and
+    one naming a fact it misses. A grader that reads the answer says 1 far more often to the first; one that
+    has learned only how often to say 1 says it equally often to both (separation 0)."""
+
+    holds: int = 0          # verdicts parsed for rubrics whose fact the answer holds
+    holds_1: int = 0        # ... of them 1
+    misses: int = 0         # verdicts parsed for rubrics whose fact the answer misses
+    misses_1: int = 0       # ... of them 1
+    unparsed: int = 0
+
+    @property
+    def rate_holds(self) -> float:
+        return self.holds_1 / self.holds if self.holds else 0.0
+
+    @property
+    def rate_misses(self) -> float:
+        return self.misses_1 / self.misses if self.misses else 0.0
+
+    @property
+    def separation(self) -> float:
+        """P(1 | the answer holds the fact) - P(1 | it misses it): 1 for a perfect grader, 0 for a blind one."""
+        return self.rate_holds - self.rate_misses
+
+    def table(self) -> dict[str, Any]:
+        return {"1s when the answer holds the fact": f"{self.holds_1}/{self.holds}",
+                "1s when it misses the fact": f"{self.misses_1}/{self.misses}",
+                "separation": round(self.separation, 3), "unparsed": self.unparsed}
+
+
+def grader_sensitivity(judge: Judge, documents: Sequence[Passage], names: Names, *,
+                       repeats: int = 2) -> GraderSensitivity:
+    """Grade controlled (task, answer, rubric) triples in one Judge call. For each document with at least four
+    facts (names, years; `Names.facts`): a task about its first, an answer in the teacher's form linking it to
+    the second and third, and `repeats` x two rubrics in the teacher's form, "Mentions <second or third>."
+    (held) and "Mentions <fourth>." (missed). The answers hold exactly the facts the rule says they do, so
+    the verdicts measure the grader alone, unlike rollouts, whose answers rarely hold any rubric's fact."""
+    triples, held = [], []
+    for doc in documents:
+        facts = names.facts(doc.document.split("\n", 1)[-1])
+        if len(facts) < 4:
+            continue
+        subject, first, second, missing = facts[:4]
+        answer = f"{subject} is linked to {first} and {second}."
+        if mentions(answer, missing):   # the same word in another case: not a fact the answer misses
+            continue
+        for k in range(repeats):
+            for fact, holds in (((first, second)[k % 2], True), (missing, False)):
+                triples.append((f"Summarise what is known about {subject}.", answer, f"Mentions {fact}."))
+                held.append(holds)
+    out = GraderSensitivity()
+    verdicts = judge.grade([t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples])
+    for holds, verdict in zip(held, verdicts, strict=True):
+        if verdict is None:
+            out.unparsed += 1
+        elif holds:
+            out.holds, out.holds_1 = out.holds + 1, out.holds_1 + verdict
+        else:
+            out.misses, out.misses_1 = out.misses + 1, out.misses_1 + verdict
+    return out

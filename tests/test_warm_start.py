@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_tiny import count_calls, weights_hash
+from scripted_engine import ScriptedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib import parsing, protocol_check, teacher, tiny
@@ -294,3 +295,30 @@ def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
     assert (rates.rubric_facts_in_source, rates.rubric_facts) == (2, 3)
     # s0: Seine 1 (agrees), 1889 1 (disagrees), None skipped; s1: Seine 0 (agrees), 1889 1 (disagrees), Rome 0
     assert (rates.grades_agreeing, rates.grades) == (3, 5)
+
+
+def _grading_engine(tokenizer, verdict):
+    """A scripted Judge engine whose grader says `verdict(response, fact)` to "Mentions <fact>." rubrics."""
+    def grade(role, context):
+        if role != "grader":
+            return None
+        response = context.split("<response>", 1)[-1].split("</response>", 1)[0]
+        fact = context.split("<rubric>Mentions ", 1)[-1].split(".</rubric>", 1)[0]
+        return f"<score>{verdict(response, fact)}</score>"
+    return ScriptedEngine(tokenizer, get_dialect("qwen2.5"), override=grade)
+
+
+@pytest.mark.parametrize("verdict, expected", [
+    (lambda response, fact: int(fact in response), 1.0),   # a grader that reads the answer
+    (lambda response, fact: 1, 0.0),                        # one that only learned to say 1
+    (lambda response, fact: int(fact not in response), -1.0),
+])
+def test_grader_sensitivity_separates_reading_from_blind_graders(wiki_sample, tiny_tokenizer, verdict, expected):
+    params = load_params(None, overrides=["model.dialect=qwen2.5"])
+    engine = _grading_engine(tiny_tokenizer, verdict)
+    judge = make_judge(params, lambda _m: engine)
+    documents = read_corpus(wiki_sample).passages[:100]
+    probe = protocol_check.grader_sensitivity(judge, documents, teacher.Names(tiny_tokenizer))
+    assert probe.holds == probe.misses >= 20 and probe.unparsed == 0
+    assert probe.separation == expected
+    assert engine.calls == 1                                 # every triple in one Judge call
