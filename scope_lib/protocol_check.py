@@ -23,6 +23,11 @@ from scope_lib.rollout import challenger_trajectories, make_challenger_prompts, 
 from scope_lib.teacher import Names, mentions, rubric_fact
 
 
+def _share(part: float, whole: float) -> float:
+    """part / whole, 0.0 when there is nothing to divide by (no rollouts, no replies)."""
+    return part / whole if whole else 0.0
+
+
 @dataclass
 class ProtocolRates:
     """How well a model speaks the protocol over a batch of documents: what the warm start is for."""
@@ -50,18 +55,18 @@ class ProtocolRates:
 
     @property
     def task_rate(self) -> float:
-        return self.challenger_tasks / self.challenger_rollouts if self.challenger_rollouts else 0.0
+        return _share(self.challenger_tasks, self.challenger_rollouts)
 
     @property
     def answer_rate(self) -> float:
-        return self.solver_answers / self.solver_rollouts if self.solver_rollouts else 0.0
+        return _share(self.solver_answers, self.solver_rollouts)
 
     def judge_rate(self, stage: str | None = None, *, first_try: bool = True) -> float:
         """Share of Judge replies that parsed (on the first try, or after the retry), for one stage or all."""
         stages = [stage] if stage else list(self.judge)
         asked = sum(self.judge[s]["prompts"] for s in stages if s in self.judge)
         key = "parsed_first" if first_try else "parsed"
-        return sum(self.judge[s][key] for s in stages if s in self.judge) / asked if asked else 0.0
+        return _share(sum(self.judge[s][key] for s in stages if s in self.judge), asked)
 
     def table(self) -> dict[str, Any]:
         """The rates as one row (for a notebook or a benchmark table)."""
@@ -118,13 +123,13 @@ def measure_protocol(params: Params, policy, judge: Judge, retriever: Retriever,
         by_task.setdefault(g.trajectory.meta["challenger_id"], []).append(g.reward)
     rates.solver_groups = len(by_task)
     rates.solver_groups_with_spread = sum(max(v) > min(v) for v in by_task.values())
-    rates.mean_solver_reward = sum(g.reward for g in graded) / len(graded) if graded else 0.0
+    rates.mean_solver_reward = _share(sum(g.reward for g in graded), len(graded))
     by_prompt: dict[str, list[float]] = {}
     for traj, e in zip(trajectories, evals, strict=True):
         by_prompt.setdefault(traj.meta["prompt_id"], []).append(e.reward)
     rates.challenger_groups = len(by_prompt)
     rates.challenger_groups_with_spread = sum(max(v) > min(v) for v in by_prompt.values())
-    rates.mean_challenger_reward = sum(e.reward for e in evals) / len(evals) if evals else 0.0
+    rates.mean_challenger_reward = _share(sum(e.reward for e in evals), len(evals))
     _check_content(rates, evals, graded, {d.id: d.document for d in documents})
     return rates, evals, graded, trajectories
 
@@ -158,11 +163,11 @@ class GraderSensitivity:
 
     @property
     def rate_holds(self) -> float:
-        return self.holds_1 / self.holds if self.holds else 0.0
+        return _share(self.holds_1, self.holds)
 
     @property
     def rate_misses(self) -> float:
-        return self.misses_1 / self.misses if self.misses else 0.0
+        return _share(self.misses_1, self.misses)
 
     @property
     def separation(self) -> float:
