@@ -1,0 +1,159 @@
+"""Can the smoke model learn to grade by reading? Fine-tunes a copy of the warm-started tiny model on synthetic
+grades and prints, every `--every` steps, how often its verdict on held-out grades is right.
+
+    python benchmarks/grader_learning.py --steps 600 --lr 2e-3 --verdict-weight 10
+    python benchmarks/grader_learning.py --prompt short --steps 600 --lr 2e-3 --verdict-weight 10
+    python benchmarks/grader_learning.py --copy-steps 300 --steps 400 --lr 1e-3
+
+The grades are those of `protocol_check.grader_sensitivity`: an answer "S is linked to A and B." against the
+rubric "Mentions A." (held) or "Mentions D." (missed), balanced. The reply reasons first, as the grader prompt
+asks: `<think>Mentions A found</think><score>1</score>` (or `missing` and 0), so the model can copy the rubric's
+fact before it decides. Loss is on the reply's tokens, the verdict token's weighted by `--verdict-weight`; names
+are swapped as in the warm start. `--prompt short` drops the grader template (response and rubric only).
+`--copy-steps` first trains on repeated random names (copy pre-training). Nothing is saved: this measures
+what the warm start could teach the grader, for the README's "The smoke model".
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from scope_lib import prompts, tiny  # noqa: E402
+from scope_lib.config import load_params  # noqa: E402
+from scope_lib.corpus import read_corpus  # noqa: E402
+from scope_lib.judge import _encode_user  # noqa: E402
+from scope_lib.teacher import Names, mentions, split_documents, swappable_names  # noqa: E402
+
+
+def grade_examples(documents, names: Names, encode, short: bool, rng: random.Random) -> list[tuple]:
+    """(prompt ids, reply ids, holds) per document with four facts, the rubric's fact held or missed at random."""
+    out = []
+    for doc in documents:
+        facts = names.facts(doc.document.split("\n", 1)[-1])
+        if len(facts) < 4:
+            continue
+        subject, first, second, missing = facts[:4]
+        answer = f"{subject} is linked to {first} and {second}."
+        if mentions(answer, missing):
+            continue
+        holds = rng.random() < 0.5
+        fact = rng.choice([first, second]) if holds else missing
+        rubric = f"Mentions {fact}."
+        prompt = (encode(f"<response>{answer}</response><rubric>{rubric}</rubric>") if short else
+                  encode(prompts.grader_prompt(f"Summarise what is known about {subject}.", answer, rubric,
+                                               native_thinking=False), user=True))
+        reply = f"<think>Mentions {fact} {'found' if holds else 'missing'}</think><score>{int(holds)}</score>"
+        out.append((prompt, encode(reply), holds))
+    return out
+
+
+def step_loss(model, batch: list[list[int]], reply_starts: list[int], weights: dict[int, float], pad: int):
+    """Weighted cross-entropy over the replies' tokens, projecting only those positions through the LM head."""
+    width = max(len(s) for s in batch)
+    ids = torch.full((len(batch), width), pad)
+    att = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (s, start) in enumerate(zip(batch, reply_starts, strict=True)):
+        ids[i, width - len(s):], att[i, width - len(s):] = torch.tensor(s), 1
+        if start is not None:
+            labels[i, width - len(s) + start:] = torch.tensor(s[start:])
+    hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
+    targets = labels[:, 1:]
+    mask = targets != -100
+    logits = model.get_output_embeddings()(hidden[mask])
+    per_token = torch.nn.functional.cross_entropy(logits, targets[mask], reduction="none")
+    w = torch.ones_like(per_token)
+    for token, weight in weights.items():
+        w[targets[mask] == token] = weight
+    return (per_token * w).sum() / w.sum()
+
+
+@torch.no_grad()
+def held_out(model, examples, found: int, missing: int) -> tuple[float, float]:
+    """(verdict accuracy, fact-copy accuracy), teacher-forced on the reply up to the verdict."""
+    model.eval()
+    right = copied = 0
+    for prompt, reply, holds in examples:
+        logits = model(torch.tensor([prompt + reply[:3]])).logits[0]
+        copied += int(logits[-2].argmax().item() == reply[2])
+        right += int((logits[-1, found] > logits[-1, missing]).item() == holds)
+    model.train()
+    return right / len(examples), copied / len(examples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default=str(REPO / "params" / "smoke.yaml"))
+    ap.add_argument("--prompt", choices=["full", "short"], default="full")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--verdict-weight", type=float, default=1.0)
+    ap.add_argument("--copy-steps", type=int, default=0)
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    params = load_params(args.params)
+    path = tiny.tiny_model_path(params.corpus_path, params.model.tiny)
+    model, tok = tiny.load_model_and_tokenizer(path, dtype="float32", device="cpu")
+    model.train()
+
+    def encode(text: str, user: bool = False) -> list[int]:
+        return _encode_user(tok, text) if user else tok.encode(text, add_special_tokens=False)
+
+    names = Names(tok)
+    pool, held = split_documents(read_corpus(params.corpus_path).passages, params.model.tiny.warm_start)
+    rng = random.Random(0)
+    test = grade_examples(held, names, encode, args.prompt == "short", random.Random(1))
+    swap = swappable_names(tok)
+    swap_set = set(swap)
+    found, missing = encode(" found")[0], encode(" missing")[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    started = time.perf_counter()
+
+    def update(batch, starts, weights):
+        loss = step_loss(model, batch, starts, weights, tok.pad_token_id)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    for step in range(1, args.copy_steps + 1):
+        seqs = [rng.sample(swap, 24) for _ in range(32)]
+        loss = update([s + s for s in seqs], [24] * len(seqs), {})
+        if step % args.every == 0:
+            print(f"copy pre-training step {step}: loss {loss:.3f}", flush=True)
+    verdict, copied = held_out(model, test, found, missing)
+    print(f"{len(test)} held-out grades ({args.prompt} prompt); before training: verdict accuracy {verdict:.2f}, "
+          f"rubric fact copied {copied:.2f}", flush=True)
+    print("| step | loss | verdict accuracy | rubric fact copied | s |\n|---|---|---|---|---|")
+    for step in range(1, args.steps + 1):
+        batch, starts = [], []
+        for prompt, reply, _ in grade_examples(rng.sample(pool, 2 * args.batch), names, encode,
+                                               args.prompt == "short", rng)[:args.batch]:
+            ids = prompt + reply
+            present = sorted({t for t in ids if t in swap_set})
+            mapping = dict(zip(present, rng.sample(swap, len(present)), strict=True))
+            batch.append([mapping.get(t, t) for t in ids])
+            starts.append(len(prompt))
+        loss = update(batch, starts, {found: args.verdict_weight, missing: args.verdict_weight})
+        if step % args.every == 0:
+            verdict, copied = held_out(model, test, found, missing)
+            print(f"| {step} | {loss:.3f} | {verdict:.2f} | {copied:.2f} | {time.perf_counter() - started:.0f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
