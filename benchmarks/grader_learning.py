@@ -5,7 +5,7 @@ grades and prints, every `--every` steps, how often its verdict on held-out grad
     python benchmarks/grader_learning.py --prompt short --steps 600 --lr 2e-3 --verdict-weight 10
     python benchmarks/grader_learning.py --copy-steps 300 --steps 400 --lr 1e-3
 
-The grades are those of `protocol_check.grader_sensitivity`: an answer "S is linked to A and B." against the
+The grades are those of `protocol_check.grader_sensitivity` (`probe_case`): an answer "S is linked to A and B." against the
 rubric "Mentions A." (held) or "Mentions D." (missed), balanced. The reply reasons first, as the grader prompt
 asks: `<think>Mentions A found</think><score>1</score>` (or `missing` and 0), so the model can copy the rubric's
 fact before it decides. Loss is on the reply's tokens, the verdict token's weighted by `--verdict-weight`; names
@@ -31,26 +31,19 @@ from scope_lib import prompts, tiny  # noqa: E402
 from scope_lib.config import load_params  # noqa: E402
 from scope_lib.corpus import read_corpus  # noqa: E402
 from scope_lib.judge import _encode_user  # noqa: E402
-from scope_lib.teacher import Names, mentions, split_documents, swappable_names  # noqa: E402
+from scope_lib.protocol_check import probe_case  # noqa: E402
+from scope_lib.teacher import Names, split_documents, swappable_names  # noqa: E402
 
 
 def grade_examples(documents, names: Names, encode, short: bool, rng: random.Random) -> list[tuple]:
     """(prompt ids, reply ids, holds) per document with four facts, the rubric's fact held or missed at random."""
     out = []
-    for doc in documents:
-        facts = names.facts(doc.document.split("\n", 1)[-1])
-        if len(facts) < 4:
-            continue
-        subject, first, second, missing = facts[:4]
-        answer = f"{subject} is linked to {first} and {second}."
-        if mentions(answer, missing):
-            continue
+    for case in filter(None, (probe_case(doc, names) for doc in documents)):
         holds = rng.random() < 0.5
-        fact = rng.choice([first, second]) if holds else missing
+        fact = rng.choice(case.held) if holds else case.missing
         rubric = f"Mentions {fact}."
-        prompt = (encode(f"<response>{answer}</response><rubric>{rubric}</rubric>") if short else
-                  encode(prompts.grader_prompt(f"Summarise what is known about {subject}.", answer, rubric,
-                                               native_thinking=False), user=True))
+        prompt = (encode(f"<response>{case.answer}</response><rubric>{rubric}</rubric>") if short else
+                  encode(prompts.grader_prompt(case.task, case.answer, rubric, native_thinking=False), user=True))
         reply = f"<think>Mentions {fact} {'found' if holds else 'missing'}</think><score>{int(holds)}</score>"
         out.append((prompt, encode(reply), holds))
     return out

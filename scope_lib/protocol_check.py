@@ -180,6 +180,29 @@ class GraderSensitivity:
                 "separation": round(self.separation, 3), "unparsed": self.unparsed}
 
 
+@dataclass(frozen=True)
+class ProbeCase:
+    """One controlled grading case: a task about a document's first fact, an answer in the teacher's form that
+    holds its second and third (`held`), and its fourth, which the answer misses (`missing`)."""
+
+    task: str
+    answer: str
+    held: tuple[str, str]
+    missing: str
+
+
+def probe_case(document: Passage, names: Names) -> ProbeCase | None:
+    """The probe case of a document with at least four facts (names, years; `Names.facts`), else None."""
+    facts = names.facts(document.document.split("\n", 1)[-1])
+    if len(facts) < 4:
+        return None
+    subject, first, second, missing = facts[:4]
+    answer = f"{subject} is linked to {first} and {second}."
+    if mentions(answer, missing):   # the same word in another case: not a fact the answer misses
+        return None
+    return ProbeCase(f"Summarise what is known about {subject}.", answer, (first, second), missing)
+
+
 def grader_sensitivity(judge: Judge, documents: Sequence[Passage], names: Names, *,
                        repeats: int = 2) -> GraderSensitivity:
     """Grade controlled (task, answer, rubric) triples in one Judge call. For each document with at least four
@@ -188,17 +211,10 @@ def grader_sensitivity(judge: Judge, documents: Sequence[Passage], names: Names,
     (held) and "Mentions <fourth>." (missed). The answers hold exactly the facts the rule says they do, so
     the verdicts measure the grader alone, unlike rollouts, whose answers rarely hold any rubric's fact."""
     triples, held = [], []
-    for doc in documents:
-        facts = names.facts(doc.document.split("\n", 1)[-1])
-        if len(facts) < 4:
-            continue
-        subject, first, second, missing = facts[:4]
-        answer = f"{subject} is linked to {first} and {second}."
-        if mentions(answer, missing):   # the same word in another case: not a fact the answer misses
-            continue
+    for case in filter(None, (probe_case(doc, names) for doc in documents)):
         for k in range(repeats):
-            for fact, holds in (((first, second)[k % 2], True), (missing, False)):
-                triples.append((f"Summarise what is known about {subject}.", answer, f"Mentions {fact}."))
+            for fact, holds in ((case.held[k % 2], True), (case.missing, False)):
+                triples.append((case.task, case.answer, f"Mentions {fact}."))
                 held.append(holds)
     out = GraderSensitivity()
     verdicts = judge.grade([t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples])
