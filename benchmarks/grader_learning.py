@@ -4,14 +4,16 @@ grades and prints, every `--every` steps, how often its verdict on held-out grad
     python benchmarks/grader_learning.py --steps 600 --lr 2e-3 --verdict-weight 10
     python benchmarks/grader_learning.py --prompt short --steps 600 --lr 2e-3 --verdict-weight 10
     python benchmarks/grader_learning.py --copy-steps 300 --steps 400 --lr 1e-3
+    python benchmarks/grader_learning.py --short-steps 600 --steps 1000 --batch 32 --lr 4e-3 --verdict-weight 10
 
 The grades are those of `protocol_check.grader_sensitivity` (`probe_case`): an answer "S is linked to A and B." against the
 rubric "Mentions A." (held) or "Mentions D." (missed), balanced. The reply reasons first, as the grader prompt
 asks: `<think>Mentions A found</think><score>1</score>` (or `missing` and 0), so the model can copy the rubric's
 fact before it decides. Loss is on the reply's tokens, the verdict token's weighted by `--verdict-weight`; names
-are swapped as in the warm start. `--prompt short` drops the grader template (response and rubric only).
-`--copy-steps` first trains on repeated random names (copy pre-training). Nothing is saved: this measures
-what the warm start could teach the grader, for the README's "The smoke model".
+are swapped as in the warm start. `--prompt short` drops the grader template (response and rubric only);
+`--short-steps K` trains the first K steps on the short prompt and the rest on the full one (a curriculum), and
+prints the held-out accuracies on both. `--copy-steps` first trains on repeated random names (copy pre-training).
+Nothing is saved: this measures what the warm start could teach the grader, for the README's "The smoke model".
 """
 
 from __future__ import annotations
@@ -71,16 +73,22 @@ def step_loss(model, batch: list[list[int]], reply_starts: list[int], weights: d
 
 
 @torch.no_grad()
-def held_out(model, examples, found: int, missing: int) -> tuple[float, float]:
-    """(verdict accuracy, fact-copy accuracy), teacher-forced on the reply up to the verdict."""
+def held_out(model, examples, found: int, missing: int) -> tuple[float, float, float]:
+    """(verdict accuracy teacher-forced on the reply up to the verdict, fact-copy accuracy, verdict accuracy
+    after the model's own greedy copy: what the Judge would write)."""
     model.eval()
-    right = copied = 0
+    right = copied = own = 0
     for prompt, reply, holds in examples:
         logits = model(torch.tensor([prompt + reply[:3]])).logits[0]
-        copied += int(logits[-2].argmax().item() == reply[2])
+        guess = int(logits[-2].argmax().item())
+        copied += guess == reply[2]
         right += int((logits[-1, found] > logits[-1, missing]).item() == holds)
+        if guess != reply[2]:
+            logits = model(torch.tensor([prompt + reply[:2] + [guess]])).logits[0]
+        own += int((logits[-1, found] > logits[-1, missing]).item() == holds)
     model.train()
-    return right / len(examples), copied / len(examples)
+    n = len(examples)
+    return right / n, copied / n, own / n
 
 
 def main() -> None:
@@ -92,6 +100,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--verdict-weight", type=float, default=1.0)
     ap.add_argument("--copy-steps", type=int, default=0)
+    ap.add_argument("--short-steps", type=int, default=0, help="first steps on the short prompt (a curriculum)")
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -108,7 +117,8 @@ def main() -> None:
     names = Names(tok)
     pool, held = split_documents(read_corpus(params.corpus_path).passages, params.model.tiny.warm_start)
     rng = random.Random(0)
-    test = grade_examples(held, names, encode, args.prompt == "short", random.Random(1))
+    kinds = ["short"] if args.prompt == "short" else ["short", "full"] if args.short_steps else ["full"]
+    tests = {kind: grade_examples(held, names, encode, kind == "short", random.Random(1)) for kind in kinds}
     swap = swappable_names(tok)
     swap_set = set(swap)
     found, missing = encode(" found")[0], encode(" missing")[0]
@@ -128,14 +138,17 @@ def main() -> None:
         loss = update([s + s for s in seqs], [24] * len(seqs), {})
         if step % args.every == 0:
             print(f"copy pre-training step {step}: loss {loss:.3f}", flush=True)
-    verdict, copied = held_out(model, test, found, missing)
-    print(f"{len(test)} held-out grades ({args.prompt} prompt); before training: verdict accuracy {verdict:.2f}, "
-          f"rubric fact copied {copied:.2f}", flush=True)
-    print("| step | loss | verdict accuracy | rubric fact copied | s |\n|---|---|---|---|---|")
+    what = ("verdict accuracy", "rubric fact copied", "verdict after its own copy")
+    for kind, test in tests.items():
+        before = ", ".join(f"{w} {x:.2f}" for w, x in zip(what, held_out(model, test, found, missing), strict=True))
+        print(f"{len(test)} held-out grades ({kind} prompt); before training: {before}", flush=True)
+    columns = [f"{w} ({kind} prompt)" for kind in tests for w in what]
+    print("| step | prompt | loss | " + " | ".join(columns) + " | s |\n|" + "---|" * (len(columns) + 4))
     for step in range(1, args.steps + 1):
         batch, starts = [], []
-        for prompt, reply, _ in grade_examples(rng.sample(pool, 2 * args.batch), names, encode,
-                                               args.prompt == "short", rng)[:args.batch]:
+        short = args.prompt == "short" or step <= args.short_steps
+        for prompt, reply, _ in grade_examples(rng.sample(pool, 2 * args.batch), names, encode, short,
+                                               rng)[:args.batch]:
             ids = prompt + reply
             present = sorted({t for t in ids if t in swap_set})
             mapping = dict(zip(present, rng.sample(swap, len(present)), strict=True))
@@ -143,9 +156,9 @@ def main() -> None:
             starts.append(len(prompt))
         loss = update(batch, starts, {found: args.verdict_weight, missing: args.verdict_weight})
         if step % args.every == 0:
-            verdict, copied = held_out(model, test, found, missing)
-            print(f"| {step} | {loss:.3f} | {verdict:.2f} | {copied:.2f} | {time.perf_counter() - started:.0f} |",
-                  flush=True)
+            cells = [f"{x:.2f}" for test in tests.values() for x in held_out(model, test, found, missing)]
+            print(f"| {step} | {'short' if short else 'full'} | {loss:.3f} | " + " | ".join(cells) +
+                  f" | {time.perf_counter() - started:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

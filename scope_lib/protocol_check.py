@@ -52,6 +52,7 @@ class ProtocolRates:
     rubric_facts_in_source: int = 0      # rubrics whose fact ("Mentions X.") the source document contains
     grades: int = 0                      # parsed per-rubric verdicts
     grades_agreeing: int = 0             # verdicts equal to the teacher's rule (1 iff the answer holds the fact)
+    grades_fact_held: int = 0            # verdicts on an answer that holds the rubric's fact (a reader's 1s)
 
     @property
     def task_rate(self) -> float:
@@ -79,7 +80,8 @@ class ProtocolRates:
             "Challenger groups with reward spread": f"{self.challenger_groups_with_spread}/{self.challenger_groups}",
             "mean R_S": round(self.mean_solver_reward, 3), "mean R_C": round(self.mean_challenger_reward, 3),
             "rubric facts in the source": f"{self.rubric_facts_in_source}/{self.rubric_facts}",
-            "grades agreeing with the teacher's rule": f"{self.grades_agreeing}/{self.grades}"}
+            "grades agreeing with the teacher's rule": f"{self.grades_agreeing}/{self.grades}",
+            "grades of an answer holding the rubric's fact": f"{self.grades_fact_held}/{self.grades}"}
         for stage in self.judge:
             row[f"Judge {stage} parse rate"] = round(self.judge_rate(stage), 3)
         return row
@@ -135,7 +137,8 @@ def measure_protocol(params: Params, policy, judge: Judge, retriever: Retriever,
 
 
 def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str]) -> None:
-    """Count rubrics that name a fact of their source document, and verdicts that match the teacher's rule."""
+    """Count rubrics that name a fact of their source document, verdicts that match the teacher's rule, and
+    verdicts on answers that hold the rubric's fact (what a grader that reads would score 1)."""
     by_task = {e.challenger_id: e for e in evals}
     for e in evals:
         for rubric in e.rubrics or []:
@@ -145,8 +148,10 @@ def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str])
         rubrics = by_task[g.trajectory.meta["challenger_id"]].rubrics or []
         for rubric, verdict in zip(rubrics, g.verdicts, strict=False):
             if verdict is not None:
+                held = mentions(g.trajectory.answer or "", rubric_fact(rubric.text))
                 rates.grades += 1
-                rates.grades_agreeing += verdict == int(mentions(g.trajectory.answer or "", rubric_fact(rubric.text)))
+                rates.grades_fact_held += held
+                rates.grades_agreeing += verdict == int(held)
 
 
 @dataclass

@@ -295,6 +295,7 @@ def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
     assert (rates.rubric_facts_in_source, rates.rubric_facts) == (2, 3)
     # s0: Seine 1 (agrees), 1889 1 (disagrees), None skipped; s1: Seine 0 (agrees), 1889 1 (disagrees), Rome 0
     assert (rates.grades_agreeing, rates.grades) == (3, 5)
+    assert rates.grades_fact_held == 1   # only s0's answer holds a rubric's fact (Seine)
 
 
 def _grading_engine(tokenizer, verdict):
