@@ -53,6 +53,8 @@ class ProtocolRates:
     grades: int = 0                      # parsed per-rubric verdicts
     grades_agreeing: int = 0             # verdicts equal to the teacher's rule (1 iff the answer holds the fact)
     grades_fact_held: int = 0            # verdicts on an answer that holds the rubric's fact (a reader's 1s)
+    answers_searched: int = 0            # Solver answers written after searches that returned results
+    answers_citing_results: int = 0      # ... of them naming a fact (not in the task) that those results hold
 
     @property
     def task_rate(self) -> float:
@@ -81,7 +83,8 @@ class ProtocolRates:
             "mean R_S": round(self.mean_solver_reward, 3), "mean R_C": round(self.mean_challenger_reward, 3),
             "rubric facts in the source": f"{self.rubric_facts_in_source}/{self.rubric_facts}",
             "grades agreeing with the teacher's rule": f"{self.grades_agreeing}/{self.grades}",
-            "grades of an answer holding the rubric's fact": f"{self.grades_fact_held}/{self.grades}"}
+            "grades of an answer holding the rubric's fact": f"{self.grades_fact_held}/{self.grades}",
+            "answers naming a retrieved fact": f"{self.answers_citing_results}/{self.answers_searched}"}
         for stage in self.judge:
             row[f"Judge {stage} parse rate"] = round(self.judge_rate(stage), 3)
         return row
@@ -132,13 +135,14 @@ def measure_protocol(params: Params, policy, judge: Judge, retriever: Retriever,
     rates.challenger_groups = len(by_prompt)
     rates.challenger_groups_with_spread = sum(max(v) > min(v) for v in by_prompt.values())
     rates.mean_challenger_reward = _share(sum(e.reward for e in evals), len(evals))
-    _check_content(rates, evals, graded, {d.id: d.document for d in documents})
+    _check_content(rates, evals, graded, {d.id: d.document for d in documents}, Names(policy.tokenizer))
     return rates, evals, graded, trajectories
 
 
-def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str]) -> None:
-    """Count rubrics that name a fact of their source document, verdicts that match the teacher's rule, and
-    verdicts on answers that hold the rubric's fact (what a grader that reads would score 1)."""
+def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str], names: Names) -> None:
+    """Count rubrics that name a fact of their source document, verdicts that match the teacher's rule,
+    verdicts on answers that hold the rubric's fact (what a grader that reads would score 1), and answers that
+    name a fact their own searches retrieved (the Solver copying its evidence)."""
     by_task = {e.challenger_id: e for e in evals}
     for e in evals:
         for rubric in e.rubrics or []:
@@ -152,6 +156,15 @@ def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str])
                 rates.grades += 1
                 rates.grades_fact_held += held
                 rates.grades_agreeing += verdict == int(held)
+    for g in graded:
+        traj = g.trajectory
+        retrieved = "\n".join(s.results for s in traj.searches if s.valid and s.results)
+        if traj.answer is None or not retrieved:
+            continue
+        rates.answers_searched += 1
+        task = by_task[traj.meta["challenger_id"]].task or ""
+        facts = names.facts(traj.answer, exclude=names.facts(task))
+        rates.answers_citing_results += any(mentions(retrieved, f) for f in facts)
 
 
 @dataclass

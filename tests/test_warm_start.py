@@ -274,28 +274,46 @@ def test_warmed_smoke_model_speaks_the_protocol_on_held_out_documents(smoke_para
     assert any(e.rubrics for e in evals) and any(g.rubric_score > 0 for g in graded)
     assert rates.rubric_facts == sum(len(e.rubrics or []) for e in evals)
     assert rates.grades == sum(v is not None for g in graded for v in g.verdicts)
+    assert 0 < rates.answers_searched <= rates.solver_answers
+
+
+class _WordTokenizer:
+    """Every whitespace-separated word is one token (so every capitalised word is a checkable name)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return text.split()
 
 
 def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
     """The content measures of ProtocolRates, on hand-made records: a rubric fact counts as grounded when the
-    source contains it; a verdict agrees when it is 1 exactly for an answer holding the fact."""
+    source contains it; a verdict agrees when it is 1 exactly for an answer holding the fact; an answer cites
+    its results when it names a fact (not the task's) that its own valid searches returned."""
     from scope_lib.parsing import Rubric
     from scope_lib.rewards import FormatScore
-    from scope_lib.rollout import Trajectory
+    from scope_lib.rollout import SearchRecord, Trajectory
     from scope_lib.selfplay import GradedSolverRollout, TaskEvaluation
 
     e = TaskEvaluation("c0", "d0", "long_form_qa", 1, "Explain Paris.", FormatScore(1, 1, 1),
                        rubrics=[Rubric("Mentions Seine."), Rubric("Mentions 1889."), Rubric("Mentions Rome.")])
-    answers = {"s0": "Paris is linked to Seine.", "s1": "Paris is a well-known subject."}
-    graded = [GradedSolverRollout(Trajectory(i, "solver", [], [], meta={"challenger_id": "c0"}, answer=a),
-                                  verdicts=v, rubric_score=0.0)
-              for (i, a), v in zip(answers.items(), [[1, 1, None], [0, 1, 0]], strict=True)]
+    answers = {"s0": "Paris is linked to Seine.", "s1": "Paris is a well-known subject.",
+               "s2": "Paris is linked to Lyon.", "s3": "Paris is linked to Nice."}
+    searches = {"s0": [SearchRecord(0, "Paris", True, results="The Seine crosses Paris.")],
+                "s1": [SearchRecord(0, "Paris", True, results="Paris is in France.")],
+                "s2": [SearchRecord(0, None, False, results="Lyon")],   # malformed: its correction is no result
+                "s3": []}
+    graded = [GradedSolverRollout(Trajectory(i, "solver", [], [], meta={"challenger_id": "c0"}, answer=a,
+                                             searches=searches[i]), verdicts=v, rubric_score=0.0)
+              for (i, a), v in zip(answers.items(), [[1, 1, None], [0, 1, 0], [None] * 3, [None] * 3],
+                                   strict=True)]
     rates = protocol_check.ProtocolRates()
-    protocol_check._check_content(rates, [e], graded, {"d0": "(Title: Paris)\nThe Seine crosses Paris since 1889."})
+    protocol_check._check_content(rates, [e], graded, {"d0": "(Title: Paris)\nThe Seine crosses Paris since 1889."},
+                                  teacher.Names(_WordTokenizer()))
     assert (rates.rubric_facts_in_source, rates.rubric_facts) == (2, 3)
     # s0: Seine 1 (agrees), 1889 1 (disagrees), None skipped; s1: Seine 0 (agrees), 1889 1 (disagrees), Rome 0
     assert (rates.grades_agreeing, rates.grades) == (3, 5)
     assert rates.grades_fact_held == 1   # only s0's answer holds a rubric's fact (Seine)
+    # s0 names Seine, which its search returned; s1 names nothing but the task's Paris; s2 and s3 have no results
+    assert (rates.answers_citing_results, rates.answers_searched) == (1, 2)
 
 
 def _grading_engine(tokenizer, verdict):
