@@ -43,7 +43,7 @@ def grade_examples(documents, names: Names, encode, short: bool, rng: random.Ran
     for case in filter(None, (probe_case(doc, names) for doc in documents)):
         holds = rng.random() < 0.5
         fact = rng.choice(case.held) if holds else case.missing
-        rubric = f"Mentions {fact}."
+        rubric = case.rubric(fact)
         prompt = (encode(f"<response>{case.answer}</response><rubric>{rubric}</rubric>") if short else
                   encode(prompts.grader_prompt(case.task, case.answer, rubric, native_thinking=False), user=True))
         reply = f"<think>Mentions {fact} {'found' if holds else 'missing'}</think><score>{int(holds)}</score>"

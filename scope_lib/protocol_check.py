@@ -149,22 +149,18 @@ def _check_content(rates: ProtocolRates, evals, graded, sources: dict[str, str],
             rates.rubric_facts += 1
             rates.rubric_facts_in_source += mentions(sources.get(e.document_id, ""), rubric_fact(rubric.text))
     for g in graded:
-        rubrics = by_task[g.trajectory.meta["challenger_id"]].rubrics or []
-        for rubric, verdict in zip(rubrics, g.verdicts, strict=False):
+        traj, e = g.trajectory, by_task[g.trajectory.meta["challenger_id"]]
+        for rubric, verdict in zip(e.rubrics or [], g.verdicts, strict=False):
             if verdict is not None:
-                held = mentions(g.trajectory.answer or "", rubric_fact(rubric.text))
+                held = mentions(traj.answer or "", rubric_fact(rubric.text))
                 rates.grades += 1
                 rates.grades_fact_held += held
                 rates.grades_agreeing += verdict == int(held)
-    for g in graded:
-        traj = g.trajectory
         retrieved = "\n".join(s.results for s in traj.searches if s.valid and s.results)
-        if traj.answer is None or not retrieved:
-            continue
-        rates.answers_searched += 1
-        task = by_task[traj.meta["challenger_id"]].task or ""
-        facts = names.facts(traj.answer, exclude=names.facts(task))
-        rates.answers_citing_results += any(mentions(retrieved, f) for f in facts)
+        if traj.answer is not None and retrieved:
+            rates.answers_searched += 1
+            facts = names.facts(traj.answer, exclude=names.facts(e.task or ""))
+            rates.answers_citing_results += any(mentions(retrieved, f) for f in facts)
 
 
 @dataclass
@@ -208,6 +204,11 @@ class ProbeCase:
     held: tuple[str, str]
     missing: str
 
+    @staticmethod
+    def rubric(fact: str) -> str:
+        """A rubric in the teacher's form naming `fact`."""
+        return f"Mentions {fact}."
+
 
 def probe_case(document: Passage, names: Names) -> ProbeCase | None:
     """The probe case of a document with at least four facts (names, years; `Names.facts`), else None."""
@@ -232,7 +233,7 @@ def grader_sensitivity(judge: Judge, documents: Sequence[Passage], names: Names,
     for case in filter(None, (probe_case(doc, names) for doc in documents)):
         for k in range(repeats):
             for fact, holds in ((case.held[k % 2], True), (case.missing, False)):
-                triples.append((case.task, case.answer, f"Mentions {fact}."))
+                triples.append((case.task, case.answer, case.rubric(fact)))
                 held.append(holds)
     out = GraderSensitivity()
     verdicts = judge.grade([t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples])
