@@ -24,14 +24,17 @@ demo: $(STAMP)
 
 # The README's copy of notebook 04's Solver figure, from the demo's run folder (after `make demo`).
 readme-figure: $(STAMP)
-	$(BIN)/python -c "from scope_lib.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
+	$(BIN)/python -c "from scope_lib.reports.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
 
 # The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
 test: $(STAMP)
 	$(BIN)/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider $(PYTEST_ARGS)
 
+# ruff, the import contracts of pyproject.toml (layers, no circles), and the layer drawing in docs/ is current.
 lint: $(STAMP)
-	$(BIN)/ruff check scope_lib tests benchmarks
+	$(BIN)/ruff check scope_lib tests benchmarks docs
+	$(BIN)/lint-imports
+	$(BIN)/python docs/architecture.py --check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scope_lib.benchmarks import Item  # noqa: E402
 from scope_lib.config import load_params  # noqa: E402
-from scope_lib.eval_judge import (  # noqa: E402
+from scope_lib.evaluation.benchmarks import Item  # noqa: E402
+from scope_lib.evaluation.evaluate import Answered, score_items  # noqa: E402
+from scope_lib.evaluation.judge import (
     BenchmarkJudge,
     ChatCompletionsBackend,
     JudgeCache,
@@ -31,7 +32,6 @@ from scope_lib.eval_judge import (  # noqa: E402
     JudgeRequest,
     JudgeSettings,
 )
-from scope_lib.evaluation import Answered, score_items  # noqa: E402
 
 
 class _Slow(BaseHTTPRequestHandler):
@@ -86,7 +86,7 @@ def judge_throughput(n: int, latency_s: float, concurrency: int, cache_dir: Path
 def scoring_overhead(data_dir: Path, repeats: int) -> dict:
     """score_items on the real HealthBench sample (58 criteria over 8 conversations, both scorers) with an instant
     judge: what our side costs per unit."""
-    from scope_lib.benchmarks import load_benchmark
+    from scope_lib.evaluation.benchmarks import load_benchmark
 
     params = load_params(None, {"run.data_dir": str(data_dir), "evaluation.bootstrap_samples": 1000,
                                 "evaluation.data_files": {"healthbench": "openended/healthbench_sample.jsonl"}})

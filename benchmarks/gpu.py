@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 def rollout_speed(model_dir: Path, n: int, max_new_tokens: int, turns: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scope_lib.engines import HFEngine, Sampling, VLLMEngine
+    from scope_lib.models.engine import Sampling
+    from scope_lib.models.hf_engine import HFEngine
+    from scope_lib.models.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Explain the history of Paris."}],
@@ -56,8 +58,9 @@ def step_cost(model_dir: Path, mode: str, context: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from scope_lib.config import load_params
-    from scope_lib.gpu_plan import plan_gpu
-    from scope_lib.training import Policy, grpo_args, make_trainer
+    from scope_lib.models.gpu_plan import plan_gpu
+    from scope_lib.selfplay.policy import Policy
+    from scope_lib.selfplay.training import grpo_args, make_trainer
 
     params = load_params(None, {"model.base": str(model_dir), "model.finetuning": mode, "engine.device": "cuda",
                                 "engine.backend": "hf", "solver.batch_size": 1, "grpo.group_size": 2,
@@ -100,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU")
-    from scope_lib.random_models import build_shaped_model
+    from scope_lib.models.random_models import build_shaped_model
 
     model_dir = build_shaped_model(args.model, Path(tempfile.gettempdir()) / args.model.replace("/", "_"),
                                    Path(args.corpus))

@@ -13,7 +13,7 @@ fact before it decides. Loss is on the reply's tokens, the verdict token's weigh
 are swapped as in the warm start. `--prompt short` drops the grader template (response and rubric only);
 `--short-steps K` trains the first K steps on the short prompt and the rest on the full one (a curriculum), and
 prints the held-out accuracies on both. `--copy-steps` first trains on repeated random names (copy pre-training).
-Nothing is saved: this measures what the warm start could teach the grader, for the README's "The smoke model".
+Nothing is saved: this measures what the warm start could teach the grader, for docs/smoke-model.md.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from scope_lib import prompts, tiny  # noqa: E402
 from scope_lib.config import load_params  # noqa: E402
-from scope_lib.corpus import read_corpus  # noqa: E402
-from scope_lib.judge import _encode_user  # noqa: E402
-from scope_lib.protocol_check import probe_case  # noqa: E402
-from scope_lib.teacher import Names, split_documents, swappable_names  # noqa: E402
+from scope_lib.models.loading import load_model_and_tokenizer  # noqa: E402
+from scope_lib.protocol import prompts  # noqa: E402
+from scope_lib.retrieval.corpus import read_corpus  # noqa: E402
+from scope_lib.selfplay.judge import _encode_user  # noqa: E402
+from scope_lib.smoke.protocol_check import probe_case  # noqa: E402
+from scope_lib.smoke.teacher import Names, split_documents, swappable_names  # noqa: E402
+from scope_lib.smoke.warm_start import warm_model_path  # noqa: E402
 
 
 def grade_examples(documents, names: Names, encode, short: bool, rng: random.Random) -> list[tuple]:
@@ -107,8 +109,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     params = load_params(args.params)
-    path = tiny.tiny_model_path(params.corpus_path, params.model.tiny)
-    model, tok = tiny.load_model_and_tokenizer(path, dtype="float32", device="cpu")
+    path = warm_model_path(params.corpus_path, params.model.tiny)
+    model, tok = load_model_and_tokenizer(path, dtype="float32", device="cpu")
     model.train()
 
     def encode(text: str, user: bool = False) -> list[int]:

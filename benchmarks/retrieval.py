@@ -40,16 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scope_lib.config import RetrievalConfig  # noqa: E402
-from scope_lib.corpus import Passage, read_corpus  # noqa: E402
-from scope_lib.retrieval import (  # noqa: E402
-    ChromaRetriever,
-    HashingEmbedder,
-    build_index,
-    make_chroma_client,
-    make_embedder,
-    passages_sha256,
-)
-from scope_lib.retrieval_eval import LABELLED_QUERIES, recall_at_k  # noqa: E402
+from scope_lib.retrieval.chroma_index import ChromaRetriever, build_index, make_chroma_client  # noqa: E402
+from scope_lib.retrieval.corpus import Passage, read_corpus  # noqa: E402
+from scope_lib.retrieval.embedders import HashingEmbedder, make_embedder  # noqa: E402
+from scope_lib.retrieval.formatting import passages_sha256  # noqa: E402
+from scope_lib.retrieval.recall import LABELLED_QUERIES, recall_at_k  # noqa: E402
 
 K = 3
 BATCH = 64
@@ -307,7 +302,7 @@ def run(args: argparse.Namespace) -> None:
         table(["corpus", "ef_search", "chroma single p50", "chroma batch64 p50", "chroma batched q/s",
                "exact batched q/s", "recall@3 vs exact", "recall@1 vs exact"], rows_sweep)
     if rows_label:
-        print("\n### Labelled questions on the real sample (scope_lib.retrieval_eval)\n")
+        print("\n### Labelled questions on the real sample (scope_lib.retrieval.recall)\n")
         table(["passages", "embedder", "questions", "recall@1", "recall@3", "recall@5"], rows_label)
 
 

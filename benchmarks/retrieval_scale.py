@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scope_lib.config import Params, load_params  # noqa: E402
-from scope_lib.retrieval import ScopeEmbedder  # noqa: E402
+from scope_lib.retrieval.embedders import ScopeEmbedder  # noqa: E402
 
 K = 3
 BATCH = 64
@@ -80,10 +80,10 @@ class DerivedEmbedder(ScopeEmbedder):
 
 def sample_embeddings(sample_path: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:
     """MiniLM embeddings of the sample passages (contents) and of the labelled questions, cached."""
-    from scope_lib.corpus import read_corpus
-    from scope_lib.index_store import embedding_text
-    from scope_lib.retrieval import MiniLMOfflineEmbedder
-    from scope_lib.retrieval_eval import LABELLED_QUERIES
+    from scope_lib.retrieval.corpus import read_corpus
+    from scope_lib.retrieval.embedders import MiniLMOfflineEmbedder
+    from scope_lib.retrieval.recall import LABELLED_QUERIES
+    from scope_lib.retrieval.store import embedding_text
 
     cache.mkdir(parents=True, exist_ok=True)
     docs, queries = cache / "minilm_sample_contents.npy", cache / "minilm_labelled_queries.npy"
@@ -113,7 +113,7 @@ def derive(base: np.ndarray, n: int, seed: int, noise: float = 0.25) -> np.ndarr
 
 
 def write_corpus(sample_path: Path, path: Path, n: int, seed: int = 0, replace: float = 0.4) -> None:
-    from scope_lib.corpus import read_corpus
+    from scope_lib.retrieval.corpus import read_corpus
 
     if path.is_file():
         return
@@ -155,7 +155,7 @@ def peak_rss() -> int:
 def worker_build(params: Params, vectors: str) -> dict:
     import faiss  # noqa: F401  (imported before the baseline)
 
-    from scope_lib.retrieval import build_or_open_index
+    from scope_lib.retrieval.index import build_or_open_index
     base, started = rss(), time.perf_counter()
     retriever = build_or_open_index(params, progress=False, force=True, embedder=DerivedEmbedder(vectors))
     return {"build_s": time.perf_counter() - started, "build_peak": peak_rss() - base,
@@ -165,7 +165,7 @@ def worker_build(params: Params, vectors: str) -> dict:
 def worker_serve(params: Params, vectors: str, queries: str, exact: str | None, texts: str | None) -> dict:
     import faiss  # noqa: F401
 
-    from scope_lib.retrieval import open_index
+    from scope_lib.retrieval.index import open_index
     base = rss()
     started = time.perf_counter()
     embedder = DerivedEmbedder(vectors) if params.retrieval.backend == "faiss" else None
@@ -218,10 +218,15 @@ def run(n: int, work: Path, factories: list[str], backends: list[str], sample_pa
         in_process: bool = False, base_vectors: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
     """Measure every factory (Flat first) and bm25 over n derived passages; `base_vectors` = (sample passage
     embeddings, labelled question embeddings) replaces the cached MiniLM ones (tests)."""
-    from scope_lib.corpus import iter_passages
-    from scope_lib.index_plan import plan_index
-    from scope_lib.index_store import build_embeddings, build_passage_store, directory_bytes
-    from scope_lib.retrieval import _embeddings_dir, cached_corpus_sha256, passages_fingerprint, store_path
+    from scope_lib.retrieval.corpus import iter_passages
+    from scope_lib.retrieval.index import (
+        _embeddings_dir,
+        cached_corpus_sha256,
+        passages_fingerprint,
+        store_path,
+    )
+    from scope_lib.retrieval.plan import plan_index
+    from scope_lib.retrieval.store import build_embeddings, build_passage_store, directory_bytes
 
     work.mkdir(parents=True, exist_ok=True)
     base, labelled = base_vectors if base_vectors is not None else sample_embeddings(sample_path, cache)
@@ -314,7 +319,7 @@ def lines_first(corpus: Path) -> str:
 
 def extrapolate(result: dict, embed_dim: int = 768, n_target: int = WIKI18_PASSAGES) -> list[dict]:
     """Each measured row's plan at 21M passages with E5-base (768-d), and a rough batched q/s."""
-    from scope_lib.index_plan import faiss_cost
+    from scope_lib.retrieval.plan import faiss_cost
 
     out = []
     n, d = result["n"], result["dimension"]

@@ -22,9 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scope_lib import notebook  # noqa: E402
-from scope_lib.rollout import new_trajectory, run_rollouts, solver_messages  # noqa: E402
-from scope_lib.selfplay import solver_limits  # noqa: E402
+from scope_lib.reports import notebook  # noqa: E402
+from scope_lib.selfplay.rollout import new_trajectory, run_rollouts, solver_messages  # noqa: E402
+from scope_lib.selfplay.tasks import solver_limits  # noqa: E402
 
 
 def nudge_to_search(model, tokenizer, dialect, mean_query_tokens: int = 8):

@@ -29,18 +29,16 @@ def main() -> None:
     parser.add_argument("--params", default="params/smoke.yaml")
     parser.add_argument("-o", "--override", action="append", default=[])
     args = parser.parse_args()
-    from scope_lib.selfplay import open_run
+    from scope_lib.selfplay.loop import build_pool, open_run, train_challenger, train_solver
+    from scope_lib.smoke.warm_start import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         params = load_params(args.params, [f"run.runs_dir={tmp}", "selfplay.iterations=1", *args.override])
         started = time.perf_counter()
-        r = open_run(params)
+        r = open_run(prepare(params))
         setup_s = time.perf_counter() - started
         stage_s = {}
-        from scope_lib import selfplay
-
-        for name, fn in (("challenger", selfplay.train_challenger), ("pool", selfplay.build_pool),
-                         ("solver", selfplay.train_solver)):
+        for name, fn in (("challenger", train_challenger), ("pool", build_pool), ("solver", train_solver)):
             t0 = time.perf_counter()
             fn(r, 1)
             stage_s[name] = time.perf_counter() - t0

@@ -5,7 +5,7 @@ speaks the protocol on documents the teacher never read.
 
 Each build runs in a fresh temporary cache (the teacher's index is rebuilt too, as on a first run); the load
 average is printed with each build because the 2 CPU cores are shared. The protocol rates are measured with
-`scope_lib.protocol_check.measure_protocol` (Challenger groups of 2, the run's Solver rollouts per task, gates,
+`scope_lib.smoke.protocol_check.measure_protocol` (Challenger groups of 2, the run's Solver rollouts per task, gates,
 rubrics, grades, R_C and R_S) under the run's sampling, `--repeats` times with different prompt seeds (task types, search counts);
 then `grader_sensitivity`: the Judge's verdicts on controlled answers that hold or miss the rubric's fact.
 Prints markdown tables.
@@ -24,8 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scope_lib import tiny  # noqa: E402
 from scope_lib.config import load_params  # noqa: E402
+from scope_lib.models.loading import load_model_and_tokenizer  # noqa: E402
+from scope_lib.models.tiny import describe_tiny  # noqa: E402
+from scope_lib.smoke.warm_start import warm_model_path  # noqa: E402
 
 
 def _table(rows: list[dict]) -> str:
@@ -41,9 +43,9 @@ def time_builds(params, n: int) -> list[dict]:
         with tempfile.TemporaryDirectory() as cache:
             load = os.getloadavg()[0]
             started = time.perf_counter()
-            path = tiny.tiny_model_path(params.corpus_path, params.model.tiny, cache_dir=cache)
+            path = warm_model_path(params.corpus_path, params.model.tiny, cache_dir=cache)
             total = time.perf_counter() - started
-            info = tiny.describe_tiny(path)
+            info = describe_tiny(path)
             rows.append({"build": i + 1, "total s": round(total, 1), "SFT steps": info["SFT steps"],
                          "loss (last logs)": info["loss (last 5 logs)"],
                          "load average before": round(load, 1), "load average after": round(os.getloadavg()[0], 1)})
@@ -51,7 +53,7 @@ def time_builds(params, n: int) -> list[dict]:
 
 
 def generation_speed(engine, tokenizer, contexts: list[list[int]], max_new_tokens: int) -> dict:
-    from scope_lib.engines import Sampling
+    from scope_lib.models.engine import Sampling
 
     started = time.perf_counter()
     out = engine.generate(contexts, Sampling(max_new_tokens=max_new_tokens, temperature=1.0, seed=0))
@@ -75,28 +77,28 @@ def main() -> None:
 
     import torch
 
-    from scope_lib.corpus import read_corpus
-    from scope_lib.engines import HFEngine
-    from scope_lib.judge import make_judge
-    from scope_lib.protocol_check import grader_sensitivity, measure_protocol
-    from scope_lib.retrieval import build_or_open_index
-    from scope_lib.rollout import challenger_trajectories, make_challenger_prompts
-    from scope_lib.teacher import Names, held_out_documents
+    from scope_lib.models.hf_engine import HFEngine
+    from scope_lib.retrieval.corpus import read_corpus
+    from scope_lib.retrieval.index import build_or_open_index
+    from scope_lib.selfplay.judge import make_judge
+    from scope_lib.selfplay.rollout import challenger_trajectories, make_challenger_prompts
+    from scope_lib.smoke.protocol_check import grader_sensitivity, measure_protocol
+    from scope_lib.smoke.teacher import Names, held_out_documents
 
     params = load_params(args.params)
     if args.builds:
         print("## Warm-start build (fresh cache each time)\n")
         print(_table(time_builds(params, args.builds)) + "\n")
 
-    path = tiny.tiny_model_path(params.corpus_path, params.model.tiny)
-    model, tokenizer = tiny.load_model_and_tokenizer(path, dtype="float32", device="cpu")
+    path = warm_model_path(params.corpus_path, params.model.tiny)
+    model, tokenizer = load_model_and_tokenizer(path, dtype="float32", device="cpu")
     engine = HFEngine(model, tokenizer)
     print("## Model\n")
-    print(_table([tiny.describe_tiny(path)]) + "\n")
+    print(_table([describe_tiny(path)]) + "\n")
 
     passages = read_corpus(params.corpus_path).passages
     documents = held_out_documents(passages, params.model.tiny.warm_start)[:args.documents]
-    from scope_lib.dialects import get_dialect
+    from scope_lib.protocol.dialects import get_dialect
 
     sp = params.selfplay
     prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed=0, tokenizer=tokenizer,

@@ -25,15 +25,26 @@ DEFAULT_PARAMS = "params/smoke.yaml"
 
 
 def _params(args):
-    from scope_lib.engines import apply_torch_threads
+    """The command's parameters, validated (light: no torch, no chromadb)."""
+    return load_params(args.params, args.override)
 
-    params = load_params(args.params, args.override)
+
+def _torch_params(args, *, models: bool = False):
+    """Parameters for a command that runs torch (embedders, models): `engine.torch_threads` applied and, with
+    `models`, every model the loader cannot build itself prepared first (the smoke warm start)."""
+    from scope_lib.models.loading import apply_torch_threads
+
+    params = _params(args)
     apply_torch_threads(params)
+    if models:
+        from scope_lib.smoke.warm_start import prepare
+
+        prepare(params)
     return params
 
 
 def cmd_run(args) -> int:
-    from scope_lib.reports import run_notebooks
+    from scope_lib.reports.export import run_notebooks
 
     params = _params(args)  # validate before starting any kernel
     outputs = run_notebooks(args.params, args.override, notebooks=args.notebooks, html=not args.no_html,
@@ -44,16 +55,16 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from scope_lib.selfplay import run
+    from scope_lib.selfplay.loop import run
 
-    result = run(_params(args))
+    result = run(_torch_params(args, models=True))
     print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
           f"{len(result.alarms)} health alarm(s)")
     return 0
 
 
 def cmd_plan(args) -> int:
-    from scope_lib.gpu_plan import plan_gpu
+    from scope_lib.models.gpu_plan import plan_gpu
 
     report = plan_gpu(_params(args), gpu_gib=args.gpu_gib, gpus=args.gpus, engine=args.engine,
                       sleep=not args.no_sleep)
@@ -73,7 +84,7 @@ def cmd_params_show(args) -> int:
 
 
 def cmd_data_fetch(args) -> int:
-    from scope_lib.corpus import fetch_data
+    from scope_lib.retrieval.corpus import fetch_data
 
     overrides = list(args.override)
     if args.url:
@@ -86,41 +97,41 @@ def cmd_data_fetch(args) -> int:
 
 
 def cmd_index_build(args) -> int:
-    from scope_lib.retrieval import build_or_open_index
+    from scope_lib.retrieval.index import build_or_open_index
 
-    retriever = build_or_open_index(_params(args), rebuild=args.rebuild, force=args.force)
+    retriever = build_or_open_index(_torch_params(args), rebuild=args.rebuild, force=args.force)
     print(f"index ready: {retriever.describe()}")
     return 0
 
 
 def cmd_index_plan(args) -> int:
-    from scope_lib.index_plan import plan_index
+    from scope_lib.retrieval.plan import plan_index
 
-    plan = plan_index(_params(args), measure=not args.no_measure, n_passages=args.passages,
+    plan = plan_index(_torch_params(args), measure=not args.no_measure, n_passages=args.passages,
                       factories=args.factories)
     print(plan)
     return 0
 
 
 def cmd_index_check(args) -> int:
-    from scope_lib.retrieval import check_index
+    from scope_lib.retrieval.check import check_index
 
-    report = check_index(_params(args))
+    report = check_index(_torch_params(args))
     print(report.table())
     return 0 if report.passed else 1
 
 
 def cmd_serve_retrieval(args) -> int:
-    from scope_lib.retrieval_server import serve
+    from scope_lib.retrieval.server import serve
 
-    serve(_params(args), host=args.host, port=args.port, force=args.force)
+    serve(_torch_params(args), host=args.host, port=args.port, force=args.force)
     return 0
 
 
 def cmd_eval(args) -> int:
-    from scope_lib.evaluation import evaluate
+    from scope_lib.evaluation.evaluate import evaluate
 
-    params = _params(args)
+    params = _torch_params(args, models=True)
     summaries = evaluate(params, args.checkpoint or None, args.benchmarks or None)
     print(f"{'checkpoint':<22} {'benchmark':<16} {'scorer':<12} {'score':>7}  95% CI          invalid")
     for s in summaries:
@@ -204,10 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from scope_lib.benchmarks import BenchmarkDataError
-    from scope_lib.corpus import CorpusError
-    from scope_lib.eval_judge import JudgeUnavailable
-    from scope_lib.retrieval import RetrievalError
+    from scope_lib.evaluation.benchmarks import BenchmarkDataError
+    from scope_lib.evaluation.judge import JudgeUnavailable
+    from scope_lib.retrieval.api import RetrievalError
+    from scope_lib.retrieval.corpus import CorpusError
 
     try:
         return args.func(args)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 TaskType = Literal["long_form_qa", "summarisation", "planning", "writing", "short_form_qa"]
 Gate = Literal["entity_identifiability", "source_relevance"]
@@ -39,7 +39,7 @@ class Section(BaseModel):
 
 class WarmStartConfig(Section):
     """Supervised warm start of the tiny model (not in the paper; smoke demos only): TRL SFT on protocol
-    traces that the scripted teacher `scope_lib.teacher` writes from the corpus, so a CPU run shows real
+    traces that the scripted teacher `scope_lib.smoke.teacher` writes from the corpus, so a CPU run shows real
     tasks, rubrics and grades. The last five fields give the protocol shape the traces follow: keep them
     equal to the run settings named in their descriptions (params/smoke.yaml ties them with YAML anchors)."""
 
@@ -48,7 +48,7 @@ class WarmStartConfig(Section):
     documents: int = Field(240, ge=4, description="Source documents the teacher writes traces from.")
     held_out_share: float = Field(
         0.2, ge=0.0, lt=1.0, description="Share of the corpus the teacher never reads (a seeded split; "
-        "`scope_lib.teacher.held_out_documents`), for parse-rate checks on unseen documents.")
+        "`scope_lib.smoke.teacher.held_out_documents`), for parse-rate checks on unseen documents.")
     epochs: float = Field(1.0, gt=0.0, description="SFT passes over the teacher's examples.")
     learning_rate: float = Field(3e-3, gt=0.0, description="SFT peak learning rate (cosine decay, 5% warmup).")
     batch_size: int = Field(8, ge=1, description="Sequences per SFT step.")
@@ -69,7 +69,7 @@ class WarmStartConfig(Section):
 
 
 class TinyModelConfig(Section):
-    """The offline tiny model (`scope_lib.tiny`): a BPE tokenizer trained on the corpus and random weights,
+    """The offline tiny model (`scope_lib.models.tiny`): a BPE tokenizer trained on the corpus and random weights,
     optionally warm-started on protocol traces (`warm_start`)."""
 
     seed: int = Field(0, description="Seed for the tokenizer sample and the random weights.")
@@ -318,7 +318,7 @@ FULL_LEARNING_RATE = 1e-6
 
 
 class GRPOConfig(Section):
-    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer (scope_lib/training.py)."""
+    """GRPO updates (eq. 2, 3; Table 9), wired to TRL's GRPOTrainer (scope_lib/selfplay/training.py)."""
 
     learning_rate: float | None = Field(
         None, gt=0.0, description="Learning rate; None = 1e-6 for full fine-tuning (Table 9) and 1e-5 for LoRA "
@@ -520,6 +520,18 @@ class Params(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
 
+    #: Models built by a step above the loader (the smoke warm start): model name -> local folder. Not a
+    #: parameter (never saved or compared); `scope_lib.models.loading.model_source` reads it.
+    _local_models: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def use_local_model(self, name: str, folder: str | os.PathLike) -> None:
+        """Load model `name` (e.g. 'tiny') from `folder` in this process."""
+        self._local_models[name] = str(folder)
+
+    def local_model(self, name: str) -> str | None:
+        """The folder recorded for model `name` by `use_local_model`, or None."""
+        return self._local_models.get(name)
+
     # -- derived locations -------------------------------------------------------------------------
     @property
     def data_dir(self) -> Path:
@@ -536,6 +548,13 @@ class Params(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def cache_dir(kind: str) -> Path:
+    """Where builds of one kind are cached (`tiny`, `embeddings`, ...): $SCOPE_CACHE_DIR/<kind>, else
+    ~/.cache/scope/<kind>. Everything there can be deleted; it is rebuilt on next use."""
+    base = os.environ.get("SCOPE_CACHE_DIR")
+    return (Path(os.path.expanduser(base)) if base else Path.home() / ".cache" / "scope") / kind
 
 
 def resolve_data_dir(configured: str | None = None) -> Path:

@@ -43,6 +43,32 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> P
     return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
 
 
+def build_directory(final: str | os.PathLike, build: Callable[[Path], Any], *, marker: str = "config.json") -> Path:
+    """`final`, built on first use by `build(tmp)` in a temporary folder beside it and renamed into place, so a
+    reader never sees a half-built folder (a model, a cache entry). A folder holding `marker` is finished and
+    returned as it is; when two processes build at once, the first rename wins and the other build is dropped."""
+    import tempfile
+
+    final = Path(final)
+    if (final / marker).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache entry is shared like any model folder
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / marker).is_file():
+                raise
+            log.info("%s was built concurrently; using that one", final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

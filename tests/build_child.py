@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from scope_lib.config import Params
-from scope_lib.retrieval import HashingEmbedder, build_or_open_index
+from scope_lib.retrieval.embedders import HashingEmbedder
+from scope_lib.retrieval.index import build_or_open_index
 
 
 class SlowHashing(HashingEmbedder):

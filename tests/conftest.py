@@ -56,7 +56,7 @@ def minilm_embedder():
     """The real offline MiniLM embedder with the on-disk embedding cache the smoke run uses, shared by the tests
     that index the 1000-passage sample (each back end's recall test) and the notebook kernels: the sample is
     embedded once per machine (~40 s on 2 CPU cores), not once per back end and process."""
-    from scope_lib.retrieval import EmbeddingCache, MiniLMOfflineEmbedder
+    from scope_lib.retrieval.embedders import EmbeddingCache, MiniLMOfflineEmbedder
 
     embedder = MiniLMOfflineEmbedder(device="cpu", batch_size=16)
     embedder.cache = EmbeddingCache(embedder.model_id)
@@ -66,7 +66,7 @@ def minilm_embedder():
 @pytest.fixture(scope="module")
 def retriever(params):
     """The index of the test module's own `params` fixture, built once per module."""
-    from scope_lib.retrieval import build_or_open_index
+    from scope_lib.retrieval.index import build_or_open_index
 
     return build_or_open_index(params, progress=False)
 
@@ -74,6 +74,6 @@ def retriever(params):
 @pytest.fixture(scope="module")
 def passages(wiki_sample):
     """The real wiki-18 sample's passages."""
-    from scope_lib.corpus import read_corpus
+    from scope_lib.retrieval.corpus import read_corpus
 
     return read_corpus(wiki_sample).passages

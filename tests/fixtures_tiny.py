@@ -74,7 +74,7 @@ def write_synthetic_corpus(path: Path, n_passages: int = 300, seed: int = 0) -> 
 def build_tiny_once(corpus: Path, cache_dir: Path) -> Path:
     """The tiny model for `corpus` with the default TinyModelConfig, built at most once per process."""
     from scope_lib.config import TinyModelConfig
-    from scope_lib.tiny import tiny_model_path
+    from scope_lib.models.tiny import tiny_model_path
 
     key = str(corpus)
     if key not in _BUILT:

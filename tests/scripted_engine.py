@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from scope_lib.dialects import Dialect
-from scope_lib.engines import Completion, Sampling
-from scope_lib.prompts import load_template
+from scope_lib.models.engine import Completion, Sampling
+from scope_lib.protocol.dialects import Dialect
+from scope_lib.protocol.prompts import load_template
 
 _TITLE = re.compile(r"Doc \d+ \(Title: (.+)\)\n")
 

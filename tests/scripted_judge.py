@@ -95,7 +95,7 @@ class ScriptedJudgeBackend:
         self.requests = []
 
     def send(self, requests, on_reply):
-        from scope_lib.eval_judge import JudgeReply
+        from scope_lib.evaluation.judge import JudgeReply
 
         for i, r in enumerate(requests):
             key = json.dumps(r.messages, sort_keys=True)

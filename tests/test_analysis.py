@@ -6,8 +6,13 @@ import math
 
 import pytest
 
-from scope_lib.analysis import grader_agreement, rubric_overlap, rubric_specificity, starts_with_command_verb
-from scope_lib.parsing import Rubric
+from scope_lib.protocol.parsing import Rubric
+from scope_lib.reports.analysis import (
+    grader_agreement,
+    rubric_overlap,
+    rubric_specificity,
+    starts_with_command_verb,
+)
 
 SOURCE = ("David Tuckman proposed a $150 million arena in Bellevue, Washington in 2001 and bought a CBA "
           "franchise for $125,000 in 2003, making the team the anchor tenant.")

@@ -1,4 +1,4 @@
-"""scope_lib.benchmarks: native-format loaders on the real samples in ../shared/data and on fixtures written in
+"""scope_lib.evaluation.benchmarks: native-format loaders on the real samples in ../shared/data and on fixtures written in
 each benchmark's schema (tests/fixtures/benchmarks), malformed records reported with file and line, seeded
 subsampling with a manifest every checkpoint reuses, and the Solver prompt of each benchmark kind."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scope_lib.benchmarks import (
+from scope_lib.config import load_params
+from scope_lib.evaluation.benchmarks import (
     BENCHMARKS,
     BenchmarkDataError,
     benchmark_files,
@@ -19,8 +20,7 @@ from scope_lib.benchmarks import (
     solver_conversation,
     subsample,
 )
-from scope_lib.config import load_params
-from scope_lib.dialects import get_dialect
+from scope_lib.protocol.dialects import get_dialect
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 

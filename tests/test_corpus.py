@@ -1,4 +1,4 @@
-"""scope_lib.corpus: reading wiki-18 JSONL, problems with file:line, sampling, fetching (file:// and a local
+"""scope_lib.retrieval.corpus: reading wiki-18 JSONL, problems with file:line, sampling, fetching (file:// and a local
 HTTP server with Range support; never an external address)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import scope_lib.corpus as corpus_module
+import scope_lib.retrieval.corpus as corpus_module
 from scope_lib.config import load_params
-from scope_lib.corpus import (
+from scope_lib.retrieval.corpus import (
     Corpus,
     CorpusError,
     FetchError,
@@ -151,7 +151,7 @@ def test_skip_counts_each_kind(tmp_path, caplog):
     lines = [line("1"), BAD_LINES["invalid_json"], "", BAD_LINES["not_object"], BAD_LINES["bad_field"],
              line("5"), BAD_LINES["empty_passage"], BAD_LINES["duplicate_id"], "   ", line("9")]
     path = write_lines(tmp_path / "mixed.jsonl", lines)
-    with caplog.at_level(logging.WARNING, logger="scope_lib.corpus"):
+    with caplog.at_level(logging.WARNING, logger="scope_lib.retrieval.corpus"):
         corpus = read_corpus(path, on_error="skip")
     assert [p.id for p in corpus] == ["1", "5", "9"]
     assert [(p.line, p.kind) for p in corpus.problems] == [
@@ -159,7 +159,7 @@ def test_skip_counts_each_kind(tmp_path, caplog):
     assert str(corpus.problems[-1]) == f"{path}:8: duplicate id '1' (ids must be unique)"
     assert corpus.summary() == ("3 passages, 5 skipped (mixed.jsonl; invalid_json 1, not_object 1, "
                                 "bad_field 1, empty_passage 1, duplicate_id 1)")
-    warnings = [r for r in caplog.records if r.name == "scope_lib.corpus"]
+    warnings = [r for r in caplog.records if r.name == "scope_lib.retrieval.corpus"]
     assert len(warnings) == 1 and "skipped 5 malformed line(s)" in warnings[0].getMessage()
 
 
@@ -215,7 +215,7 @@ def test_iterations_do_not_overlap():
 
 def test_sampling_wraps_around_with_a_warning(caplog):
     pool = passages(10)
-    with caplog.at_level(logging.WARNING, logger="scope_lib.corpus"):
+    with caplog.at_level(logging.WARNING, logger="scope_lib.retrieval.corpus"):
         third = sample_documents(pool, 4, seed=1, iteration=3)
     assert "wrapping around" in caplog.text
     everything = sample_documents(pool, 10, seed=1, iteration=1)

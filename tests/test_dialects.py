@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scope_lib.dialects import DIALECTS, detect_dialect, get_dialect, strip_thinking
+from scope_lib.protocol.dialects import DIALECTS, detect_dialect, get_dialect, strip_thinking
 
 NAMES = list(DIALECTS)
 

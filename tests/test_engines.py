@@ -1,4 +1,4 @@
-"""scope_lib.engines: the one generation interface over HF transformers, vLLM and OpenAI-compatible servers.
+"""scope_lib.models engines: the one generation interface over HF transformers, vLLM and OpenAI-compatible servers.
 
 The tiny model is random, so it rarely writes a given stop string by itself. Stops are forced honestly:
 either the stop is text the model is known to produce (taken from a first seeded run), or the model is
@@ -22,17 +22,11 @@ from servers import JSONHandler, free_port, loopback, server_process
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.config import validate_params
-from scope_lib.engines import (
-    Completion,
-    Engine,
-    EngineRequestError,
-    EngineUnavailable,
-    HFEngine,
-    OpenAIEngine,
-    Sampling,
-    VLLMEngine,
-    make_engine,
-)
+from scope_lib.models.engine import Completion, Engine, EngineRequestError, EngineUnavailable, Sampling
+from scope_lib.models.hf_engine import HFEngine
+from scope_lib.models.loading import make_engine
+from scope_lib.models.openai_engine import OpenAIEngine
+from scope_lib.models.vllm_engine import VLLMEngine
 
 QUESTIONS = ["Who?", "What did Evan Morris lobby for in Washington, and for which company?",
              "Name the river that flows through the city."]
@@ -542,7 +536,7 @@ def test_probe_does_not_take_a_context_error_for_unsupported_token_prompts(token
 
 @pytest.mark.parametrize("status_5xx", [False, True])
 def test_credentials_never_reach_errors_or_logs(tokenizer, caplog, status_5xx):
-    caplog.set_level("DEBUG", logger="scope_lib.engines")
+    caplog.set_level("DEBUG", logger="scope_lib.models")
     with strict_server(tokenizer, "echo", status_5xx=status_5xx) as (url, state):
         engine = OpenAIEngine(url, "m", tokenizer, api_key=SECRET, prompt_format="auto", max_retries=1,
                               backoff_s=0.01)
@@ -557,7 +551,7 @@ def test_credentials_never_reach_errors_or_logs(tokenizer, caplog, status_5xx):
 
 
 def test_redact_patterns():
-    from scope_lib.engines import redact
+    from scope_lib.models.retries import redact
 
     text = ('{"authorization": "Bearer abcdef123456", "x-api-key": "k-998877665544"} '
             'token sk-proj-ABCDEFGH12345678 and mykey-12345')
@@ -570,12 +564,12 @@ def test_redact_patterns():
 def test_retry_after_is_honoured_and_429_backs_off_longer(tokenizer):
     import httpx
 
-    from scope_lib.engines import retry_after_s
+    from scope_lib.models.retries import retry_after_s
 
     assert retry_after_s("2") == 2.0 and retry_after_s("-3") == 0.0
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
     assert retry_after_s("soon") is None and retry_after_s(None) is None and retry_after_s("nan") is None
-    from scope_lib.engines import backoff_s
+    from scope_lib.models.retries import backoff_s
 
     assert backoff_s(0, 0.1, 5, httpx.Response(503)) == pytest.approx(0.1)
     assert backoff_s(0, 0.1, 5, httpx.Response(429)) == pytest.approx(0.4)     # a rate limit waits longer

@@ -1,4 +1,4 @@
-"""scope_lib.eval_judge: the benchmark judge over /v1/chat/completions (a loopback server with a scripted reply
+"""scope_lib.evaluation.judge: the benchmark judge over /v1/chat/completions (a loopback server with a scripted reply
 function, and a real `transformers serve`), the local-engine judge, the on-disk cache, accounting, retries and
 credentials that never reach a file or a log."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from servers import JSONHandler, free_port, loopback, server_process
 
-from scope_lib.eval_judge import (
+from scope_lib.evaluation.judge import (
     BenchmarkJudge,
     ChatCompletionsBackend,
     JudgeCache,
@@ -138,7 +138,7 @@ def test_a_rejected_request_is_an_error_reply_not_a_crash(tmp_path):
 
 @pytest.mark.parametrize("status", [401, 404])
 def test_credentials_and_models_refused_stop_at_once_and_the_key_never_leaks(status, monkeypatch, caplog):
-    caplog.set_level("DEBUG", logger="scope_lib.eval_judge")
+    caplog.set_level("DEBUG", logger="scope_lib.evaluation.judge")
     monkeypatch.setenv("JUDGE_KEY", SECRET)
 
     def echo(body, n):
@@ -159,7 +159,7 @@ def test_local_engine_judge_batches_per_sample(tiny_model_dir, tiny_tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from scope_lib.engines import HFEngine
+    from scope_lib.models.hf_engine import HFEngine
 
     engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), tiny_tokenizer)
     judge = BenchmarkJudge(LocalEngineBackend(engine, seed=3))

@@ -13,26 +13,24 @@ import torch
 from scripted_engine import ScriptedEngine
 from scripted_judge import ScriptedJudgeBackend, scripted_judge_server
 
-from scope_lib.benchmarks import select_items
 from scope_lib.cli import main
 from scope_lib.config import EVAL_JUDGE_PRESETS, load_params
-from scope_lib.dialects import get_dialect
-from scope_lib.eval_judge import BenchmarkJudge
-from scope_lib.evaluation import (
+from scope_lib.evaluation.benchmarks import select_items
+from scope_lib.evaluation.evaluate import (
     Policy,
     available_checkpoints,
-    coevolution_matrix,
     eval_limits,
     evaluate,
     judge_settings,
     open_policies,
     resolve_checkpoint,
-    results_table,
     run_solver,
-    self_judge_gap,
 )
-from scope_lib.judge import Judge
-from scope_lib.parsing import Rubric
+from scope_lib.evaluation.judge import BenchmarkJudge
+from scope_lib.evaluation.tables import coevolution_matrix, results_table, self_judge_gap
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.protocol.parsing import Rubric
+from scope_lib.selfplay.judge import Judge
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
@@ -74,7 +72,8 @@ def params(shared_data, tiny_model_dir, tmp_path_factory):
 def test_checkpoints_resolve_and_adapters_generate(params, tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from scope_lib.engines import HFEngine, Sampling
+    from scope_lib.models.engine import Sampling
+    from scope_lib.models.hf_engine import HFEngine
 
     run = params.run_dir
     assert [c.spec for c in available_checkpoints(params)] == ["base"]
@@ -220,8 +219,8 @@ def test_force_answer_nudges_a_rollout_without_an_answer(params, retriever, tiny
 
 
 def _write_pool(run_dir: Path, iteration: int, tasks: list[tuple[str, list[str]]]) -> None:
-    from scope_lib.rewards import FormatScore
-    from scope_lib.selfplay import TaskEvaluation
+    from scope_lib.protocol.rewards import FormatScore
+    from scope_lib.selfplay.tasks import TaskEvaluation
 
     folder = run_dir / f"iter_{iteration:02d}" / "pool"
     folder.mkdir(parents=True, exist_ok=True)
@@ -237,7 +236,7 @@ def _write_pool(run_dir: Path, iteration: int, tasks: list[tuple[str, list[str]]
 
 
 def test_coevolution_matrix_from_task_pools(params, retriever, tiny_tokenizer, caplog):
-    from scope_lib.evaluation import load_task_pool
+    from scope_lib.evaluation.tables import load_task_pool
 
     dialect = get_dialect("qwen2.5")
     _write_pool(params.run_dir, 1, [("Explain how Alpha and Beta are connected.", ["Alpha", "Beta"]),
@@ -315,7 +314,7 @@ def test_evaluation_judges_default_to_the_paper_and_can_be_overridden():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and vLLM (the gpu extra)")
 def test_vllm_policies_register_adapters(params, tiny_model_dir, tmp_path):
-    from scope_lib.engines import VLLMEngine
+    from scope_lib.models.vllm_engine import VLLMEngine
 
     make_adapter(tiny_model_dir, tmp_path / "iter_05" / "solver" / "adapter", seed=5)
     engine = VLLMEngine(tiny_model_dir, enable_lora=True, max_lora_rank=8, gpu_memory_utilization=0.3,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scope_lib.gpu_plan import KNOWN, Architecture
-from scope_lib.random_models import build_shaped_model
+from scope_lib.models.gpu_plan import KNOWN, Architecture
+from scope_lib.models.random_models import build_shaped_model
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
@@ -45,7 +45,8 @@ def test_one_vllm_engine_serves_the_judge_and_both_roles(qwen3_small, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scope_lib.engines import Sampling, VLLMEngine
+    from scope_lib.models.engine import Sampling
+    from scope_lib.models.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(qwen3_small)
     engine = VLLMEngine(qwen3_small, tokenizer=tok, enable_lora=True, max_loras=3, max_lora_rank=16,
@@ -70,7 +71,7 @@ def test_one_vllm_engine_serves_the_judge_and_both_roles(qwen3_small, tmp_path):
 def test_a_smoke_iteration_on_one_gpu_with_vllm_rollouts(qwen3_small, tmp_path, wiki_sample):
     from scope_lib.config import load_params
     from scope_lib.runs import read_jsonl
-    from scope_lib.selfplay import run
+    from scope_lib.selfplay.loop import run
 
     params = load_params(REPO / "params" / "smoke.yaml", {
         "run.runs_dir": str(tmp_path), "run.data_dir": str(wiki_sample.parent), "model.base": str(qwen3_small),

@@ -10,7 +10,7 @@ import pytest
 
 from scope_lib.cli import main
 from scope_lib.config import ParamsError, load_params
-from scope_lib.gpu_plan import GIB, KNOWN, Architecture, architecture, plan_gpu
+from scope_lib.models.gpu_plan import GIB, KNOWN, Architecture, architecture, plan_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 

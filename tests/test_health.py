@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scope_lib import health
+from scope_lib.selfplay import health
 
 HEALTHY = {"role": "solver", "iteration": 1, "step": 3, "rollouts": 16, "reward": 0.7, "empty_retrieval_rate": 0.0,
            "zero_spread_share": 0.25, "truncation_rate": 0.1, "searches_per_rollout": 2.5,
@@ -30,7 +30,7 @@ def test_each_alarm_fires_on_its_failure(name, tmp_path, caplog):
     alarms = health.check_step({**HEALTHY, **FAILING[name]})
     assert [a["alarm"] for a in alarms] == [name]
     assert alarms[0]["step"] == 3 and alarms[0]["role"] == "solver"
-    caplog.set_level("WARNING", logger="scope_lib.health")
+    caplog.set_level("WARNING", logger="scope_lib.selfplay.health")
     health.report(alarms[0], tmp_path)
     assert "HEALTH ALARM" in caplog.text and name in caplog.text
     assert [a["alarm"] for a in health.read_alarms(tmp_path)] == [name]

@@ -8,8 +8,8 @@ import pytest
 from scripted_engine import ScriptedEngine
 
 from scope_lib.config import load_params
-from scope_lib.dialects import get_dialect, thinks_natively
-from scope_lib.judge import Judge, make_judge
+from scope_lib.protocol.dialects import get_dialect, thinks_natively
+from scope_lib.selfplay.judge import Judge, make_judge
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["Explain how Evan Morris and Halliburton are connected."] * 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from scope_lib.reports import notebook_paths, run_notebooks
+from scope_lib.reports.export import notebook_paths, run_notebooks
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))

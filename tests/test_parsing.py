@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scope_lib.parsing import (
+from scope_lib.protocol.parsing import (
     DEFAULT_PRIORITY,
     PRIORITIES,
     Rubric,

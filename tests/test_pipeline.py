@@ -9,10 +9,10 @@ import pytest
 from scripted_engine import ScriptedEngine
 
 from scope_lib.config import load_params
-from scope_lib.dialects import get_dialect
-from scope_lib.judge import Judge
-from scope_lib.retrieval import Hit
-from scope_lib.rollout import (
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval.api import Hit
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.rollout import (
     apportion,
     challenger_trajectories,
     make_challenger_prompts,
@@ -21,7 +21,13 @@ from scope_lib.rollout import (
     run_rollouts,
     solver_messages,
 )
-from scope_lib.selfplay import challenger_limits, evaluate_tasks, filter_tasks, solver_limits, solver_rewards
+from scope_lib.selfplay.tasks import (
+    challenger_limits,
+    evaluate_tasks,
+    filter_tasks,
+    solver_limits,
+    solver_rewards,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DIALECTS = ["qwen2.5", "qwen3", "olmo3"]
@@ -212,7 +218,7 @@ def test_qwen3_per_turn_datums_drop_earlier_thinking(params, retriever, passages
 
 def test_rubric_analysis_tables(params, retriever, passages, tiny_tokenizer):
     """The tables notebook 03 shows, on tasks the scripted engine carries through the whole pipeline."""
-    from scope_lib.analysis import (
+    from scope_lib.reports.analysis import (
         compare_rubric_writers,
         grader_agreement,
         grading_pairs,

@@ -9,10 +9,10 @@ from importlib import resources
 
 import pytest
 
-from scope_lib import prompts
 from scope_lib.config import PAPER_TASK_TYPES, TaskType
-from scope_lib.dialects import DIALECTS
-from scope_lib.parsing import parse_score
+from scope_lib.protocol import prompts
+from scope_lib.protocol.dialects import DIALECTS
+from scope_lib.protocol.parsing import parse_score
 
 SEARCH_EXAMPLES = {
     "qwen2.5": "<search>your query</search>",
@@ -33,7 +33,7 @@ def _no_placeholders(text: str) -> None:
 
 
 def test_every_template_file_is_registered_and_loads():
-    folder = resources.files("scope_lib").joinpath("prompts")
+    folder = resources.files("scope_lib.protocol").joinpath("prompts")
     on_disk = sorted(p.name[:-4] for p in folder.iterdir() if p.name.endswith(".txt"))
     assert on_disk == sorted(prompts.TEMPLATE_NAMES)
     for name in prompts.TEMPLATE_NAMES:

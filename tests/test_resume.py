@@ -17,10 +17,10 @@ import pytest
 import torch
 from training_helpers import FAST, AlternatingEngine, fast_params, load_policy
 
-from scope_lib.dialects import get_dialect
-from scope_lib.judge import Judge
+from scope_lib.protocol.dialects import get_dialect
 from scope_lib.runs import read_jsonl
-from scope_lib.selfplay import build_pool, open_run, train_challenger
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.loop import build_pool, open_run, train_challenger
 
 REPO = Path(__file__).resolve().parents[1]
 #: Turn budgets that fit the scripted protocol text (in-process Stage 1) and keep the random model's turns short.

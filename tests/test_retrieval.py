@@ -15,27 +15,19 @@ from hypothesis import strategies as st
 from servers import free_port, server_process
 
 from scope_lib.config import RetrievalConfig, load_params
-from scope_lib.corpus import Passage, read_corpus
-from scope_lib.retrieval import (
-    ChromaRetriever,
-    E5Embedder,
-    HashingEmbedder,
-    Hit,
-    IndexMismatchError,
-    MiniLMOfflineEmbedder,
-    RetrieverUnavailable,
-    build_index,
-    build_or_open_index,
+from scope_lib.retrieval.api import Hit, IndexMismatchError, RetrieverUnavailable
+from scope_lib.retrieval.chroma_index import ChromaRetriever, build_index, make_chroma_client
+from scope_lib.retrieval.corpus import Passage, read_corpus
+from scope_lib.retrieval.embedders import E5Embedder, HashingEmbedder, MiniLMOfflineEmbedder, make_embedder
+from scope_lib.retrieval.formatting import (
     count_tokens,
     format_results,
     format_results_batch,
-    make_chroma_client,
-    make_embedder,
     neutralize,
-    open_retriever,
     passages_sha256,
 )
-from scope_lib.retrieval_eval import LABELLED_QUERIES, answer_ranks, recall_at_k
+from scope_lib.retrieval.index import build_or_open_index, open_retriever
+from scope_lib.retrieval.recall import LABELLED_QUERIES, answer_ranks, recall_at_k
 
 # -- fixtures ------------------------------------------------------------------------------------------
 
@@ -470,7 +462,7 @@ def tiny_tokenizer(tiny_model_dir):  # noqa: F811
 
 
 def _tag_ids(tokenizer) -> set[int]:
-    from scope_lib.tiny import PROTOCOL_TAGS, SPECIAL_TOKENS
+    from scope_lib.models.tiny import PROTOCOL_TAGS, SPECIAL_TOKENS
 
     return {tokenizer.convert_tokens_to_ids(t) for t in (*PROTOCOL_TAGS, *SPECIAL_TOKENS)}
 
@@ -558,7 +550,7 @@ def test_the_embedding_cache_embeds_a_text_once_across_embedders(tmp_path, minil
     """`retrieval.embedding_cache`: a second embedder (another process, another index) reads the vectors."""
     import numpy as np
 
-    from scope_lib.retrieval import EmbeddingCache, MiniLMOfflineEmbedder
+    from scope_lib.retrieval.embedders import EmbeddingCache, MiniLMOfflineEmbedder
 
     texts = ["The Danube flows through Vienna.", "Alexander Kelly founded Tintara.", "The Danube flows through Vienna."]
     first = MiniLMOfflineEmbedder(device="cpu")

@@ -17,23 +17,17 @@ import pytest
 
 from scope_lib.cli import main
 from scope_lib.config import load_params
-from scope_lib.corpus import read_corpus
-from scope_lib.index_store import PassageStore, read_json
-from scope_lib.retrieval import (
-    ChromaRetriever,
-    Hit,
-    IndexMismatchError,
-    IndexTooLargeError,
-    build_or_open_index,
-    check_index,
-    format_results,
-    open_index,
-    store_path,
-)
-from scope_lib.retrieval_bm25 import BM25Retriever
-from scope_lib.retrieval_eval import LABELLED_QUERIES, recall_at_k
-from scope_lib.retrieval_faiss import FaissRetriever
-from scope_lib.retrieval_server import background_server
+from scope_lib.retrieval.api import Hit, IndexMismatchError, IndexTooLargeError
+from scope_lib.retrieval.bm25_index import BM25Retriever
+from scope_lib.retrieval.check import check_index
+from scope_lib.retrieval.chroma_index import ChromaRetriever
+from scope_lib.retrieval.corpus import read_corpus
+from scope_lib.retrieval.faiss_index import FaissRetriever
+from scope_lib.retrieval.formatting import format_results
+from scope_lib.retrieval.index import build_or_open_index, open_index, store_path
+from scope_lib.retrieval.recall import LABELLED_QUERIES, recall_at_k
+from scope_lib.retrieval.server import background_server
+from scope_lib.retrieval.store import PassageStore, read_json
 
 TESTS = Path(__file__).resolve().parent
 
@@ -277,7 +271,7 @@ def _synthetic_corpus(path: Path, sample, n: int) -> Path:
 MEASURE = """
 import json, sys
 from scope_lib.config import Params
-from scope_lib.retrieval import open_index
+from scope_lib.retrieval.index import open_index
 import faiss, bm25s  # imported before the baselines: only the indexes count
 
 def rss():
@@ -297,7 +291,7 @@ print(json.dumps(out))
 def test_plan_memory_matches_the_measured_resident_memory(sample, tmp_path):
     """Three index types over 40,000 synthetic passages (embedded once): the plan's serving memory of each
     against the resident memory a fresh process gains by opening it and searching (within 30%)."""
-    from scope_lib.index_plan import plan_index
+    from scope_lib.retrieval.plan import plan_index
 
     corpus = _synthetic_corpus(tmp_path / "big.jsonl", sample, 40_000)
     files, planned = [], {}
@@ -319,7 +313,7 @@ def test_plan_memory_matches_the_measured_resident_memory(sample, tmp_path):
 
 
 def test_plan_compares_every_backend_and_recommends(wiki_sample, tmp_path):
-    from scope_lib.index_plan import plan_index
+    from scope_lib.retrieval.plan import plan_index
 
     params = make_params(tmp_path, wiki_sample, "faiss", faiss_factory="IVF32,PQ16")
     plan = plan_index(params, measure=True, n_passages=21_000_000)

@@ -14,9 +14,9 @@ def test_scale_benchmark_runs_every_backend_at_small_size(wiki_sample, tmp_path,
     sys.path.insert(0, str(REPO / "benchmarks"))
     import retrieval_scale
 
-    from scope_lib.corpus import read_corpus
-    from scope_lib.retrieval import HashingEmbedder
-    from scope_lib.retrieval_eval import LABELLED_QUERIES
+    from scope_lib.retrieval.corpus import read_corpus
+    from scope_lib.retrieval.embedders import HashingEmbedder
+    from scope_lib.retrieval.recall import LABELLED_QUERIES
 
     embedder = HashingEmbedder()
     base = embedder.embed_documents([p.contents for p in read_corpus(wiki_sample).passages])

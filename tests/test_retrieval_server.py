@@ -10,18 +10,13 @@ import pytest
 from servers import free_port
 
 from scope_lib.config import RetrievalConfig, load_params
-from scope_lib.corpus import read_corpus
-from scope_lib.retrieval import (
-    Hit,
-    HttpRetriever,
-    RetrievalError,
-    RetrieverUnavailable,
-    build_index,
-    build_or_open_index,
-    open_retriever,
-    passages_sha256,
-)
-from scope_lib.retrieval_server import background_server
+from scope_lib.retrieval.api import Hit, RetrievalError, RetrieverUnavailable
+from scope_lib.retrieval.chroma_index import build_index
+from scope_lib.retrieval.corpus import read_corpus
+from scope_lib.retrieval.formatting import passages_sha256
+from scope_lib.retrieval.http_client import HttpRetriever
+from scope_lib.retrieval.index import build_or_open_index, open_retriever
+from scope_lib.retrieval.server import background_server
 
 REPO = Path(__file__).resolve().parents[1]
 

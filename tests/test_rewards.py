@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scope_lib.rewards import (
+from scope_lib.protocol.rewards import (
     FormatScore,
     LengthPenalty,
     challenger_format,

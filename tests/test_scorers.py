@@ -1,4 +1,4 @@
-"""scope_lib.scorers and evaluation.score_items: every scorer against hand-computed values, the parsers of judge
+"""scope_lib.evaluation.scorers and evaluation.score_items: every scorer against hand-computed values, the parsers of judge
 replies, EM/F1 normalisation, and what happens to judge replies that never parse (retried, then dropped or scored
 worst, always counted)."""
 
@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from scope_lib import scorers as S
-from scope_lib.benchmarks import BENCHMARKS, Item
 from scope_lib.config import load_params
-from scope_lib.eval_judge import BenchmarkJudge, JudgeReply
-from scope_lib.evaluation import Answered, score_items
+from scope_lib.evaluation import scorers as S
+from scope_lib.evaluation.benchmarks import BENCHMARKS, Item
+from scope_lib.evaluation.evaluate import Answered, score_items
+from scope_lib.evaluation.judge import BenchmarkJudge, JudgeReply
 
 
 def item(benchmark, messages=None, **reference):

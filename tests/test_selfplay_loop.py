@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from training_helpers import AlternatingEngine, fast_params, load_policy
 
-from scope_lib import rewards
-from scope_lib.dialects import get_dialect
-from scope_lib.judge import Judge
-from scope_lib.retrieval import build_or_open_index
+from scope_lib.protocol import rewards
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.runs import read_jsonl
-from scope_lib.selfplay import TaskEvaluation, build_pool, open_run, run, solver_format, train_challenger
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.loop import build_pool, open_run, run, train_challenger
+from scope_lib.selfplay.tasks import TaskEvaluation, solver_format
 
 DIALECT = get_dialect("qwen2.5")
 
@@ -64,7 +65,7 @@ def test_iterations_write_every_stage_with_the_papers_rewards(two_iterations):
         assert rec["reward"] == pytest.approx(expected)
     assert len({rec["reward"] for rec in rollouts}) > 1
     # Stage 3: R_S = L(a) g + 0.5 r_fmt + 0.1 r_search (eq. 6, 7; F.2)
-    from scope_lib.rollout import Trajectory
+    from scope_lib.selfplay.rollout import Trajectory
 
     solver = records(run_dir, 1, "solver", "rollouts")
     assert len(solver) == params.solver.batch_size * params.grpo.group_size
@@ -167,7 +168,7 @@ def test_with_co_evolution_the_challenger_trains_every_iteration(two_iterations)
 
 
 def test_the_notebook_04_tables_read_a_finished_run(two_iterations):
-    from scope_lib.analysis import (
+    from scope_lib.reports.analysis import (
         example_tasks,
         gate_pass_by_task_type,
         iteration_summary,
@@ -199,7 +200,7 @@ def test_solver_reward_figure_is_an_svg_of_the_run(two_iterations, tmp_path):
     """The README's static copy of notebook 04's Solver figure: one line per component, one point per step."""
     import xml.etree.ElementTree as ET
 
-    from scope_lib.analysis import svg_line_chart, training_metrics, write_solver_reward_figure
+    from scope_lib.reports.analysis import svg_line_chart, training_metrics, write_solver_reward_figure
 
     params, _ = two_iterations
     svg = write_solver_reward_figure(params.run_dir, tmp_path / "fig" / "solver.svg")
@@ -224,7 +225,7 @@ def test_solver_reward_figure_is_an_svg_of_the_run(two_iterations, tmp_path):
 
 def test_training_refuses_an_index_that_fails_its_check(tmp_path, wiki_sample):
     """`scope index check` runs before any training: an index that answers nothing stops the run."""
-    from scope_lib.retrieval import IndexCheckError
+    from scope_lib.retrieval.api import IndexCheckError
 
     class Silent:
         def search(self, queries, k=None):

@@ -13,8 +13,11 @@ from servers import JSONHandler, loopback
 from test_training import build_trainer, challenger_stage
 from training_helpers import AlternatingEngine, fast_params, load_policy
 
-from scope_lib.engines import EngineRequestError, OpenAIEngine, Sampling, VLLMEngine
-from scope_lib.training import importance_ratio, serves_adapters
+from scope_lib.models.engine import EngineRequestError, Sampling
+from scope_lib.models.openai_engine import OpenAIEngine
+from scope_lib.models.vllm_engine import VLLMEngine
+from scope_lib.selfplay.policy import serves_adapters
+from scope_lib.selfplay.training import importance_ratio
 
 
 class Serving(AlternatingEngine):

@@ -1,4 +1,4 @@
-"""scope_lib.tiny: the offline tiny model is deterministic, loads offline, and speaks the protocol."""
+"""scope_lib.models.tiny: the offline tiny model is deterministic, loads offline, and speaks the protocol."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from fixtures_tiny import count_calls, weights_hash, write_synthetic_corpus
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scope_lib import tiny
-from scope_lib.config import TinyModelConfig
-from scope_lib.dialects import get_dialect
+from scope_lib.config import TinyModelConfig, validate_params
+from scope_lib.models import tiny
+from scope_lib.models.loading import ModelNotPrepared, load_model_and_tokenizer, model_source
+from scope_lib.protocol.dialects import get_dialect
 
 SMALL = dict(vocab_size=400, hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=512)
 
@@ -124,20 +125,36 @@ def test_cache_key_follows_corpus_content(small_corpus, tmp_path):
 
 def test_load_model_and_tokenizer(small_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path))
-    cfg = TinyModelConfig(**SMALL)
-    model, tok = tiny.load_model_and_tokenizer("tiny", dtype="float32", device="cpu", tiny_cfg=cfg,
-                                               corpus_path=small_corpus)
+    params = validate_params({"model": {"base": "tiny", "tiny": SMALL},
+                              "retrieval": {"corpus": str(small_corpus)}})
+    model, tok = load_model_and_tokenizer(model_source(params), dtype="float32", device="cpu")
     assert model.dtype == torch.float32 and model.device.type == "cpu" and not model.training
     # the hub-id / local-path branch (real from_pretrained) on the cached directory
-    path = tiny.tiny_model_path(small_corpus, cfg)
-    model2, tok2 = tiny.load_model_and_tokenizer(path, dtype="bfloat16", device="cpu", padding_side="right")
+    path = tiny.tiny_model_path(small_corpus, TinyModelConfig(**SMALL))
+    assert model_source(params) == str(path)
+    model2, tok2 = load_model_and_tokenizer(path, dtype="bfloat16", device="cpu", padding_side="right")
     assert model2.dtype == torch.bfloat16 and tok2.padding_side == "right" and tok.padding_side == "left"
     assert torch.equal(model.get_input_embeddings().weight.to(torch.bfloat16),
                        model2.get_input_embeddings().weight)
-    with pytest.raises(tiny.TinyModelError, match="corpus"):
-        tiny.load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
+    with pytest.raises(tiny.TinyModelError, match="model_source"):
+        load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="dtype"):
-        tiny.load_model_and_tokenizer(path, dtype="float64", device="cpu")
+        load_model_and_tokenizer(path, dtype="float64", device="cpu")
+
+
+def test_the_loader_never_builds_a_warm_start(small_corpus, tmp_path, monkeypatch):
+    """A warm-started tiny model is prepared above the loader (smoke.warm_start.prepare); the loader refuses to
+    guess it and loads whatever folder was recorded for the name."""
+    monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path))
+    params = validate_params({"model": {"base": "tiny", "tiny": {**SMALL, "warm_start": {"enabled": True}}},
+                              "retrieval": {"corpus": str(small_corpus)}})
+    with pytest.raises(ModelNotPrepared, match="prepare"):
+        model_source(params)
+    assert not any(tmp_path.iterdir())  # nothing was built
+    params.use_local_model("tiny", tmp_path / "prepared")
+    assert model_source(params) == str(tmp_path / "prepared")
+    assert model_source(params, "judge") == str(tmp_path / "prepared")  # the Judge is M0 too
+    assert params.model_copy().local_model("tiny") == str(tmp_path / "prepared")
 
 
 def test_corpus_errors_name_the_file_and_line(tmp_path):

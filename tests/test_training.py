@@ -14,11 +14,11 @@ from training_helpers import AlternatingEngine, fast_params, load_policy
 from transformers import AutoModelForCausalLM
 
 from scope_lib.config import ParamsError
-from scope_lib.dialects import get_dialect
-from scope_lib.judge import Judge
-from scope_lib.rollout import make_challenger_prompts
+from scope_lib.protocol.dialects import get_dialect
 from scope_lib.runs import Stage
-from scope_lib.training import (
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.rollout import make_challenger_prompts
+from scope_lib.selfplay.training import (
     RoleSession,
     StageContext,
     TorchChunkedLogProb,

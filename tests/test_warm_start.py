@@ -1,11 +1,11 @@
-"""The warm-started smoke model (scope_lib.teacher + the warm start in scope_lib.tiny).
+"""The warm-started smoke model (scope_lib.smoke.teacher and scope_lib.smoke.warm_start).
 
 - The teacher's traces follow the protocol: made by the real rollout loop and Judge, every example's
   assistant tokens parse, the environment's tokens are masked out, and the quality mix is there.
 - The warm start is deterministic (same seed, same weights), reused from the cache, and rebuilt when the
   prompts or the teacher change; the random model's cache key ignores warm-start settings.
 - The warmed smoke model speaks the protocol on documents the teacher never read, at the rates measured for
-  it (README, "The warmed smoke model"): the same assertions fail for the random model.
+  it (docs/smoke-model.md): the same assertions fail for the random model.
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ from fixtures_tiny import count_calls, weights_hash
 from scripted_engine import ScriptedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scope_lib import parsing, protocol_check, teacher, tiny
 from scope_lib.config import TinyModelConfig, WarmStartConfig, load_params
-from scope_lib.corpus import read_corpus
-from scope_lib.dialects import get_dialect
-from scope_lib.engines import HFEngine
-from scope_lib.judge import make_judge
-from scope_lib.retrieval import build_or_open_index
-from scope_lib.rollout import challenger_messages, encode_messages, make_challenger_prompts
+from scope_lib.models.hf_engine import HFEngine
+from scope_lib.models.loading import load_model_and_tokenizer
+from scope_lib.models.tiny import cache_key
+from scope_lib.protocol import parsing
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval.corpus import read_corpus
+from scope_lib.retrieval.index import build_or_open_index
+from scope_lib.selfplay.judge import make_judge
+from scope_lib.selfplay.rollout import challenger_messages, encode_messages, make_challenger_prompts
+from scope_lib.smoke import protocol_check, teacher, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +59,7 @@ def _spans(example: teacher.Example, tokenizer) -> list[str]:
 def warm_tokenizer_dir(wiki_sample, tmp_path_factory) -> Path:
     """The warm start's tokenizer (and random weights) for the small config: no SFT."""
     cfg = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
-    return tiny.build_tiny_model(tmp_path_factory.mktemp("warm_tok"), wiki_sample, cfg)
+    return warm_start.build_protocol_model(tmp_path_factory.mktemp("warm_tok"), wiki_sample, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -138,22 +141,22 @@ def test_split_holds_out_a_seeded_share(wiki_sample):
 
 
 def test_warm_start_is_deterministic_and_cached(wiki_sample, tmp_path, monkeypatch):
-    builds = count_calls(monkeypatch, tiny, "warm_start")
+    builds = count_calls(monkeypatch, warm_start, "warm_start")
     cfg = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
-    a = tiny.tiny_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
-    again = tiny.tiny_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
-    b = tiny.tiny_model_path(wiki_sample, cfg, cache_dir=tmp_path / "b")
+    a = warm_start.warm_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
+    again = warm_start.warm_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
+    b = warm_start.warm_model_path(wiki_sample, cfg, cache_dir=tmp_path / "b")
     assert a == again and len(builds) == 2                       # reused from the cache, not rebuilt
     assert weights_hash(a) == weights_hash(b)                   # same seed, same weights
-    random_weights = tiny.build_tiny_model(tmp_path / "r", wiki_sample, cfg)
+    random_weights = warm_start.build_protocol_model(tmp_path / "r", wiki_sample, cfg)
     assert weights_hash(a) != weights_hash(random_weights)      # the SFT moved them
     other = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**{**SMALL_WS, "seed": 1}))
-    c = tiny.tiny_model_path(wiki_sample, other, cache_dir=tmp_path / "a")
+    c = warm_start.warm_model_path(wiki_sample, other, cache_dir=tmp_path / "a")
     assert c != a and weights_hash(c) != weights_hash(a)
     info = (a / "scope_tiny.json").read_text()
     assert '"warm_start"' in info and '"steps"' in info
     # a normal HF model folder: the loader every engine uses takes it as it is
-    model, tok = tiny.load_model_and_tokenizer(a, dtype="float32", device="cpu")
+    model, tok = load_model_and_tokenizer(a, dtype="float32", device="cpu")
     assert model.config.model_type == "qwen3" and tok.padding_side == "left"
 
 
@@ -168,8 +171,8 @@ def test_name_loss_splits_which_name_from_a_name(warm_tokenizer_dir):
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     w = 0.25
     with torch.no_grad():
-        loss = tiny._sft_trainer_class(names, w).compute_loss(None, model, inputs)
-        plain = tiny._sft_trainer_class(names, 1.0).compute_loss(None, model, inputs)
+        loss = warm_start._sft_trainer_class(names, w).compute_loss(None, model, inputs)
+        plain = warm_start._sft_trainer_class(names, 1.0).compute_loss(None, model, inputs)
         logits = model(input_ids=ids).logits[0, :-1].float()
     logp = torch.log_softmax(logits, -1)
     expected = []
@@ -190,26 +193,26 @@ def test_name_loss_splits_which_name_from_a_name(warm_tokenizer_dir):
 
 def test_cache_key_follows_prompts_and_teacher(wiki_sample, monkeypatch):
     warm = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
-    key = tiny.cache_key(wiki_sample, warm)
+    key = warm_start.warm_cache_key(wiki_sample, warm)
     monkeypatch.setattr(teacher, "TEACHER_VERSION", teacher.TEACHER_VERSION + 1)
-    assert tiny.cache_key(wiki_sample, warm) != key
+    assert warm_start.warm_cache_key(wiki_sample, warm) != key
     monkeypatch.undo()
-    from scope_lib import prompts
+    from scope_lib.protocol import prompts
 
     spec = prompts.TASK_TYPES["planning"]
     monkeypatch.setitem(prompts.TASK_TYPES, "planning", prompts.TaskTypeSpec(spec.key, spec.name, spec.description + "!"))
-    assert tiny.cache_key(wiki_sample, warm) != key
+    assert warm_start.warm_cache_key(wiki_sample, warm) != key
     monkeypatch.undo()
-    assert tiny.cache_key(wiki_sample, warm) == key
+    assert warm_start.warm_cache_key(wiki_sample, warm) == key
     # the random model ignores warm-start settings it does not use
     plain = TinyModelConfig(**SMALL_WARM)
-    assert tiny.cache_key(wiki_sample, plain) == tiny.cache_key(
+    assert cache_key(wiki_sample, plain) == cache_key(
         wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(epochs=5.0)))
-    assert tiny.cache_key(wiki_sample, plain) != key
+    assert cache_key(wiki_sample, plain) != key
     # the SFT thread count does not change the weights (measured bit-identical), so not the key either
     threads = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS, threads=1))
-    assert tiny.cache_key(wiki_sample, threads) == key
-    assert tiny.cache_key(wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(
+    assert warm_start.warm_cache_key(wiki_sample, threads) == key
+    assert warm_start.warm_cache_key(wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(
         **{**SMALL_WS, "epochs": 0.5}))) != key
 
 
@@ -229,7 +232,7 @@ def test_smoke_params_warm_the_tiny_model_and_share_its_shape():
 
 # -- the warmed smoke model on held-out documents -------------------------------------------------------------
 
-#: Measured on 16 held-out documents x 2 Challenger rollouts, prompt seed 0 (README, "The smoke model"): task
+#: Measured on 16 held-out documents x 2 Challenger rollouts, prompt seed 0 (docs/smoke-model.md): task
 #: rate 0.938 (30/32), answer rate 0.883, every Judge reply parsed on the first try, 30/30 tasks through the
 #: gates, 18 of 30 graded tasks in the window (seeds 1-2: 0.906-1.0 tasks, 0.845-0.938 answers). The build is
 #: deterministic on one machine, so these repeat there; the thresholds sit below, because another CPU rounds
@@ -251,7 +254,7 @@ def warm_smoke_model(smoke_params) -> Path:
     """The smoke run's warm-started model, from the shared cache ($SCOPE_CACHE_DIR or ~/.cache/scope):
     built once (under 3 minutes on 2 CPU cores) and then reused by these tests, the notebooks and `make demo`."""
     started = time.perf_counter()
-    path = tiny.tiny_model_path(smoke_params.corpus_path, smoke_params.model.tiny)
+    path = warm_start.warm_model_path(smoke_params.corpus_path, smoke_params.model.tiny)
     print(f"warm smoke model ready in {time.perf_counter() - started:.0f} s: {path}")
     return path
 
@@ -259,7 +262,7 @@ def warm_smoke_model(smoke_params) -> Path:
 def test_warmed_smoke_model_speaks_the_protocol_on_held_out_documents(smoke_params, warm_smoke_model):
     p = smoke_params
     torch.manual_seed(0)
-    model, tok = tiny.load_model_and_tokenizer(warm_smoke_model, dtype="float32", device="cpu")
+    model, tok = load_model_and_tokenizer(warm_smoke_model, dtype="float32", device="cpu")
     engine = HFEngine(model, tok)
     retriever = build_or_open_index(p, progress=False)
     documents = teacher.held_out_documents(read_corpus(p.corpus_path).passages, p.model.tiny.warm_start)[:16]
@@ -288,10 +291,10 @@ def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
     """The content measures of ProtocolRates, on hand-made records: a rubric fact counts as grounded when the
     source contains it; a verdict agrees when it is 1 exactly for an answer holding the fact; an answer cites
     its results when it names a fact (not the task's) that its own valid searches returned."""
-    from scope_lib.parsing import Rubric
-    from scope_lib.rewards import FormatScore
-    from scope_lib.rollout import SearchRecord, Trajectory
-    from scope_lib.selfplay import GradedSolverRollout, TaskEvaluation
+    from scope_lib.protocol.parsing import Rubric
+    from scope_lib.protocol.rewards import FormatScore
+    from scope_lib.selfplay.rollout import SearchRecord, Trajectory
+    from scope_lib.selfplay.tasks import GradedSolverRollout, TaskEvaluation
 
     e = TaskEvaluation("c0", "d0", "long_form_qa", 1, "Explain Paris.", FormatScore(1, 1, 1),
                        rubrics=[Rubric("Mentions Seine."), Rubric("Mentions 1889."), Rubric("Mentions Rome.")])

@@ -59,7 +59,7 @@ def load_policy(params, tiny_model_dir, finetuning="lora"):
     """A real Policy over the tiny model (fresh weights each call: training changes them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scope_lib.training import Policy
+    from scope_lib.selfplay.policy import Policy
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.padding_side = "left"

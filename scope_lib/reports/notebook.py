@@ -1,0 +1,133 @@
+"""What every notebook does first: find the repository, load the run's parameters, set up logging.
+
+Notebooks run from three places — Jupyter (cwd = notebooks/), nbval (cwd = notebooks/) and papermill
+(`scope run`, cwd = the repository) — so paths in params files are resolved from the repository root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scope_lib.config import Params, load_params
+from scope_lib.models.loading import apply_torch_threads, make_engine
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval.corpus import read_corpus, sample_documents
+from scope_lib.retrieval.index import open_retriever
+from scope_lib.runs import atomic_write_json, read_jsonl, write_jsonl
+from scope_lib.selfplay.judge import make_judge
+from scope_lib.selfplay.rollout import (
+    ChallengerPrompt,
+    Trajectory,
+    challenger_trajectories,
+    make_challenger_prompts,
+    run_rollouts,
+)
+from scope_lib.selfplay.tasks import challenger_limits
+from scope_lib.smoke.warm_start import prepare
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The nearest folder upwards that holds pyproject.toml and scope_lib/."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "pyproject.toml").is_file() and (folder / "scope_lib").is_dir():
+            return folder
+    raise FileNotFoundError(f"no SCOPE checkout above {here}: run the notebook from inside the repository")
+
+
+def init(params: str, overrides: list[str] | None = None, *, level: int = logging.INFO) -> Params:
+    """chdir to the repository root, configure logging and figures for a report, load the parameters and prepare
+    the models the loader cannot build itself (the smoke model's warm start, built once and cached)."""
+    os.chdir(repo_root())
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("httpx", "chromadb", "urllib3", "sentence_transformers", "transformers", "datasets",
+                   "faiss"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _report_figures()
+    loaded = load_params(params, overrides or [])
+    loaded.run_dir.mkdir(parents=True, exist_ok=True)
+
+    apply_torch_threads(loaded)
+    return prepare(loaded)
+
+
+def _report_figures() -> None:
+    """Plotly figures carry both the interactive mimetype (JupyterLab) and an HTML rendering that loads
+    plotly.js from its CDN, so executed notebooks exported to HTML keep their figures. Weight-loading
+    progress bars are kept out of the reports."""
+    import plotly.io as pio
+    from transformers.utils import logging as hf_logging
+
+    pio.renderers.default = "plotly_mimetype+notebook_connected"
+    hf_logging.disable_progress_bar()
+
+
+@dataclass
+class Components:
+    """What the protocol notebooks work with, built once from the params."""
+
+    params: Params
+    corpus: Any
+    retriever: Any
+    dialect: Any
+    policy: Any          # Engine for Challenger and Solver rollouts (M0 here)
+    judge: Any           # Judge on M0 (or judge.model)
+    tokenizer: Any       # the policy tokenizer
+
+
+def components(params: Params) -> Components:
+    """Corpus, retrieval index, dialect, policy engine and Judge for a run. In LoRA mode (and on the tiny
+    model) the Judge shares the policy engine: it is M0 with adapters off."""
+    r = params.retrieval
+    corpus = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages)
+    retriever = open_retriever(params)
+    dialect = get_dialect(params.model.dialect, params.model.base)
+    policy = make_engine(params, "policy")
+    same_backend = (params.engine.judge_backend or params.engine.backend) == params.engine.backend
+    judges: dict[str, Any] = {}
+
+    def engine_for(name: str):
+        if same_backend and name == params.model.base:
+            return policy          # the Judge is M0: the policy engine with adapters off
+        if name not in judges:
+            judges[name] = make_engine(params, "judge", name=name)
+        return judges[name]
+
+    return Components(params, corpus, retriever, dialect, policy, make_judge(params, engine_for), policy.tokenizer)
+
+
+def challenger_batch(c: Components, n_documents: int, iteration: int = 1, group_size: int = 1):
+    """Sample documents (slice `iteration` of the seeded permutation), build Challenger prompts (task types
+    and 4:3:2 search strata apportioned exactly) and roll them out. Returns (prompts, trajectories, stats)."""
+    sp = c.params.selfplay
+    documents = sample_documents(c.corpus.passages, n_documents, seed=sp.seed, iteration=iteration)
+    prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed=sp.seed,
+                                      tokenizer=c.tokenizer, document_max_tokens=sp.document_max_tokens)
+    trajectories = challenger_trajectories(prompts, c.dialect, c.tokenizer, group_size)
+    stats = run_rollouts(trajectories, c.policy, c.retriever, c.dialect, challenger_limits(c.params))
+    return prompts, trajectories, stats
+
+
+def save_challenger_batch(run_dir: Path, prompts, trajectories) -> Path:
+    """Write an exploration's prompts and rollouts to <run>/explore/ (replacing an earlier one)."""
+    from dataclasses import asdict
+
+    folder = Path(run_dir) / "explore"
+    atomic_write_json(folder / "challenger_prompts.json", [asdict(p) for p in prompts])
+    write_jsonl(folder / "challenger_rollouts.jsonl", (t.to_record() for t in trajectories))
+    return folder
+
+
+def load_challenger_batch(run_dir: Path):
+    """(prompts, trajectories) saved by notebook 02, or None when there is none."""
+    import json
+
+    folder = Path(run_dir) / "explore"
+    if not (folder / "challenger_rollouts.jsonl").is_file():
+        return None
+    prompts = [ChallengerPrompt(**p) for p in json.loads((folder / "challenger_prompts.json").read_text())]
+    return prompts, [Trajectory.from_record(r) for r in read_jsonl(folder / "challenger_rollouts.jsonl")]

@@ -1,0 +1,296 @@
+"""Algorithm 1: iterations of three stages, resumable.
+
+    run(params)            # `scope train`: every iteration, resuming an interrupted run
+
+runs/<name>/iter_NN/challenger/  rollouts, solver_rollouts, metrics, adapter (or model), DONE   Stage 1
+runs/<name>/iter_NN/pool/        candidates, chunks, tasks, DONE                                 Stage 2
+runs/<name>/iter_NN/solver/      rollouts, metrics, adapter (or model), DONE                     Stage 3
+
+A finished stage (DONE) is skipped. A training stage that was interrupted restarts from its own start: its
+folder is cleared and the role's weights are those of the last finished stage (loaded from disk in a new
+process). The task pool resumes batch by batch: a candidate batch counts once its marker is in
+chunks.jsonl; records of an unfinished batch are dropped and the batch is redone, so nothing is lost or
+duplicated. Every stage has its own seed, so a resumed run writes the same records as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from scope_lib.config import Params, ParamsError
+from scope_lib.models.engine import Engine
+from scope_lib.models.loading import make_engine
+from scope_lib.protocol.dialects import Dialect, get_dialect
+from scope_lib.retrieval.api import Retriever
+from scope_lib.retrieval.check import check_index
+from scope_lib.retrieval.corpus import document_range, read_corpus
+from scope_lib.retrieval.index import open_retriever
+from scope_lib.runs import Stage, iteration_dir, write_manifest
+from scope_lib.selfplay import health
+from scope_lib.selfplay.judge import Judge, judge_models, make_judge
+from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
+from scope_lib.selfplay.rollout import (
+    challenger_trajectories,
+    make_challenger_prompts,
+    run_rollouts,
+)
+from scope_lib.selfplay.tasks import TaskEvaluation, challenger_limits, evaluate_tasks, filter_tasks
+from scope_lib.selfplay.training import StageContext, train_role
+
+log = logging.getLogger(__name__)
+
+
+STAGE_OFFSETS = {"challenger": 1, "pool": 2, "solver": 3}
+
+
+def stage_seed(params: Params, iteration: int, stage: str) -> int:
+    """The seed of one stage of one iteration (data order, rollouts, trainer)."""
+    return params.selfplay.seed + 10 * (iteration - 1) + STAGE_OFFSETS[stage]
+
+
+@dataclass
+class SelfPlayRun:
+    """Everything Algorithm 1 works with, loaded once per process."""
+
+    params: Params
+    passages: list
+    retriever: Retriever
+    dialect: Dialect
+    policy: Policy
+    judge: Judge
+    engine: Engine       # rollouts of both roles (the policy's engine unless a test gives another)
+    alarms: list[dict] = field(default_factory=list)
+
+    @property
+    def run_dir(self):
+        return self.params.run_dir
+
+    def stage(self, iteration: int, name: str):
+        return Stage(iteration_dir(self.run_dir, iteration) / name)
+
+
+def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | None = None,
+             retriever: Retriever | None = None, policy=None) -> SelfPlayRun:
+    """Load the corpus, index, policy (restoring the newest saved roles) and Judge; write the manifest."""
+    r = params.retrieval
+    passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+    retriever = retriever or open_retriever(params)
+    report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
+    log.info("%s", report.table())
+    report.raise_if_failed()
+    if engine is None and params.engine.backend != "hf" and params.model.finetuning == "full":
+        raise ParamsError("model.finetuning: full trains separate weights per role, which a LoRA-serving engine "
+                          "cannot generate from: use engine.backend: hf, or LoRA (model.finetuning: lora)")
+    policy = policy or Policy.load(params)
+    if engine is None:
+        # hf: generate with the model being trained. vllm / openai: a serving engine over M0 that generates for
+        # each role from its published adapter (adapter-only sync every step, importance-sampling correction)
+        engine = policy.engine if params.engine.backend == "hf" else make_engine(params, "policy",
+                                                                                 tokenizer=policy.tokenizer)
+    if judge is None:
+        judges: dict[str, Engine] = {}
+
+        def engine_for(name: str) -> Engine:
+            if name == params.model.base:
+                return engine  # the Judge is M0: the policy engine with adapters off
+            if name not in judges:  # another Judge model (judge scaling): its own engine, often a served one
+                judges[name] = make_engine(params, "judge", name=name)
+            return judges[name]
+
+        judge = make_judge(params, engine_for)
+    fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
+    write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), model=params.model.base,
+                   finetuning=params.model.finetuning,
+                   seeds={"selfplay": params.selfplay.seed, "grpo": params.grpo.seed},
+                   judge_models=judge_models(params), index=fingerprint,
+                   corpus={"path": str(params.corpus_path), "passages": len(passages),
+                           "sha256": (fingerprint or {}).get("corpus_sha256")})
+    run = SelfPlayRun(params, passages, retriever, get_dialect(params.model.dialect, params.model.base), policy,
+                      judge, engine)
+    _restore_roles(run)
+    return run
+
+
+def science_yaml(params: Params) -> str:
+    """The parameters that decide training results: everything but `run` (names and folders, so a run folder
+    can be moved and still resume) and `evaluation` (how checkpoints are measured afterwards)."""
+    import yaml
+
+    return yaml.safe_dump({k: v for k, v in params.model_dump(mode="json").items() if k not in ("run", "evaluation")},
+                          sort_keys=True)
+
+
+def _restore_roles(run: SelfPlayRun) -> None:
+    """Load each role's newest finished checkpoint (a new process resuming, or a later iteration)."""
+    for role in ROLES:
+        for t in range(run.params.selfplay.iterations, 0, -1):
+            stage = run.stage(t, role)
+            saved = [stage.path / name for name in ("adapter", "model") if (stage.path / name).is_dir()]
+            if stage.done and saved:
+                run.policy.load_role(role, saved[0])
+                break
+
+
+def run(params: Params, *, iterations: int | None = None, **components) -> SelfPlayRun:
+    """`scope train`: Algorithm 1 for `selfplay.iterations` iterations (or `iterations`), resuming a run
+    that was interrupted. Returns the run (its alarms, its components)."""
+    selfplay_run = open_run(params, **components)
+    for t in range(1, (iterations or params.selfplay.iterations) + 1):
+        run_iteration(selfplay_run, t)
+    return selfplay_run
+
+
+def run_iteration(r: SelfPlayRun, t: int) -> dict[str, dict]:
+    """One iteration: Stage 1 (train the Challenger), Stage 2 (the task pool), Stage 3 (train the Solver)."""
+    summaries = {"challenger": train_challenger(r, t), "pool": build_pool(r, t), "solver": train_solver(r, t)}
+    log.info("iteration %d done: %s", t, {k: {n: v for n, v in s.items() if not isinstance(v, (list, dict))}
+                                          for k, s in summaries.items()})
+    return summaries
+
+
+def publish_roles(r: SelfPlayRun, t: int, stage: str, roles: tuple[str, ...]) -> None:
+    """Register the roles' current weights with a serving engine (vLLM, `vllm serve`) before a stage uses them;
+    nothing to do when the engine generates with the trained model itself (hf)."""
+    if not serves_adapters(r.engine):
+        return
+    for role in roles:
+        r.policy.publish(role, r.stage(t, stage).path / "serving" / role, r.engine)
+
+
+def documents_start(r: SelfPlayRun, t: int) -> int:
+    """Where iteration t's documents begin in the run's permutation: after everything earlier iterations used."""
+    if t == 1:
+        return 0
+    previous = r.stage(t - 1, "pool").summary
+    if "documents" not in previous:
+        raise RuntimeError(f"iteration {t - 1}'s task pool is not finished; run the iterations in order")
+    return previous["documents"][1]
+
+
+def _stage_context(r: SelfPlayRun, t: int, role: str, stage):
+    return StageContext(r.params, t, role, r.policy, r.retriever, r.dialect, r.judge, stage,
+                        seed=stage_seed(r.params, t, "challenger" if role == "challenger" else "solver"),
+                        engine=r.engine, alarms=r.alarms)
+
+
+def train_challenger(r: SelfPlayRun, t: int) -> dict:
+    """Stage 1 (Algorithm 1 lines 4-17): GRPO on R_C against S_{t-1}, over fresh documents."""
+    stage = r.stage(t, "challenger")
+    if stage.done:
+        return stage.summary
+    start = documents_start(r, t)
+    sp = r.params.selfplay
+    if not sp.co_evolution and t > 1:
+        summary = {"frozen_at": 1, "documents": [start, start],
+                   "note": "selfplay.co_evolution is false: the Challenger stays at its iteration-1 checkpoint"}
+        stage.mark_done(summary)
+        return summary
+    stage.reset()
+    publish_roles(r, t, "challenger", ("solver",))  # S_{t-1} estimates the difficulty (the Challenger syncs itself)
+    seed = stage_seed(r.params, t, "challenger")
+    documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed)
+    prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed,
+                                      tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
+                                      id_prefix=f"i{t:02d}-c")
+    result = train_role(_stage_context(r, t, "challenger", stage), {p.id: p for p in prompts})
+    summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
+               "documents": [start, start + len(documents)], "saved": result.saved.name,
+               "reward": [m.get("reward") for m in result.metrics]}
+    stage.mark_done(summary)
+    return summary
+
+
+def build_pool(r: SelfPlayRun, t: int) -> dict:
+    """Stage 2 (Algorithm 1 lines 19-27, App. G): C_t writes candidate tasks over fresh documents, batch by
+    batch; gates, rubrics, N_filter rollouts of S_{t-1} at the filter sampling; tasks with l <= g-bar <= u are
+    kept, one per document, until `target_tasks` (or the documents, or `max_candidate_batches`, run out)."""
+    from tqdm.auto import tqdm
+
+    stage = r.stage(t, "pool")
+    if stage.done:
+        return stage.summary
+    p, sp = r.params, r.params.selfplay
+    candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
+    finished = {c["chunk"] for c in chunks}
+    candidates.retain(lambda rec: rec["chunk"] in finished)  # drop a batch a kill left half-written
+    tasks.retain(lambda rec: rec["chunk"] in finished)
+    first = r.stage(t, "challenger").summary["documents"][1]  # right after Stage 1's documents
+    publish_roles(r, t, "pool", ("challenger", "solver"))    # C_t writes, S_{t-1} estimates the difficulty
+    seed, size = stage_seed(p, t, "pool"), sp.candidate_batch_size
+    k = len(finished)
+    available = max(0, (len(r.passages) - first) // size)  # whole batches of unused documents
+    limit = min(available, sp.max_candidate_batches) if sp.max_candidate_batches else available
+    bar = tqdm(total=sp.target_tasks, initial=min(len(tasks), sp.target_tasks), desc=f"iteration {t} task pool",
+               unit="task", leave=False)
+    while len(tasks) < sp.target_tasks and k < limit:
+        started, judge_before = time.perf_counter(), r.judge.stats.totals()
+        documents = document_range(r.passages, first + k * size, size, sp.seed)
+        prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed * 1000 + k,
+                                          tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
+                                          id_prefix=f"i{t:02d}-p{k:04d}-")
+        trajectories = challenger_trajectories(prompts, r.dialect, r.policy.tokenizer)
+        limits = challenger_limits(p)
+        limits.seed = seed * 1000 + k
+        written = run_rollouts(trajectories, r.engine, r.retriever, r.dialect, limits, adapter="challenger")
+        evals, _graded, solved = evaluate_tasks(
+            trajectories, {q.id: q for q in prompts}, params=p, judge=r.judge, solver_engine=r.engine,
+            retriever=r.retriever, dialect=r.dialect, n_solver=sp.solver_rollouts_filter, solver_adapter="solver",
+            filtering=True, grading_temperature=p.judge.difficulty_grading_temperature, seed=seed * 1000 + 500 + k)
+        kept = filter_tasks(evals, sp.difficulty_window, sp.tasks_per_document)
+        room = sp.target_tasks - len(tasks)
+        kept_ids = {e.challenger_id for e in kept[:room]}
+        traj_by_id = {q.id: q for q in trajectories}
+        candidates.append({"id": e.challenger_id, "chunk": k, "iteration": t, "kept": e.challenger_id in kept_ids,
+                           "evaluation": e.to_record(), "trajectory": traj_by_id[e.challenger_id].to_record()}
+                          for e in evals)
+        tasks.append({**e.to_record(), "id": e.challenger_id, "iteration": t, "chunk": k}
+                     for e in kept[:room])
+        judge_after = r.judge.stats.totals()
+        chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals),
+                        "with_task": sum(e.task is not None for e in evals),
+                        "passed_gates": sum(e.gates_passed for e in evals),
+                        "in_window": len(kept), "kept": len(kept_ids),
+                        "yield": len(kept) / len(evals) if evals else 0.0,
+                        "engine_calls": written.engine_calls + solved.engine_calls,
+                        "judge_calls": judge_after["calls"] - judge_before["calls"],
+                        "time_total_s": time.perf_counter() - started,
+                        "time_generation_s": written.generation_s + solved.generation_s,
+                        "time_retrieval_s": written.retrieval_s + solved.retrieval_s,
+                        "time_judge_s": judge_after["seconds"] - judge_before["seconds"]}])
+        bar.update(len(kept_ids))
+        k += 1
+    bar.close()
+    summary = {"tasks": len(tasks), "candidates": len(candidates), "chunks": k,
+               "documents": [first, first + k * size],
+               "yield": len(tasks) / len(candidates) if len(candidates) else 0.0,
+               "stopped": "target" if len(tasks) >= sp.target_tasks else
+               ("max_candidate_batches" if sp.max_candidate_batches and k >= sp.max_candidate_batches
+                else "documents ran out")}
+    for alarm in health.check_pool({**summary, "iteration": t}):
+        r.alarms.append(alarm)
+        health.report(alarm, r.run_dir)
+    stage.mark_done(summary)
+    return summary
+
+
+def train_solver(r: SelfPlayRun, t: int) -> dict:
+    """Stage 3 (Algorithm 1 lines 28-33): GRPO on R_S over iteration t's task pool."""
+    stage = r.stage(t, "solver")
+    if stage.done:
+        return stage.summary
+    stage.reset()
+    pool = {rec["id"]: TaskEvaluation.from_record(rec) for rec in r.stage(t, "pool").records("tasks")}
+    if not pool:
+        summary = {"skipped": "empty task pool", "steps": 0,
+                   "note": "no task survived the filter; the Solver keeps S_{t-1} (see the health alarms)"}
+        log.warning("iteration %d: the task pool is empty; Stage 3 trains nothing", t)
+        stage.mark_done(summary)
+        return summary
+    result = train_role(_stage_context(r, t, "solver", stage), pool)
+    summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "tasks": len(pool),
+               "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
+               "rubric_score": [m.get("rubric_score") for m in result.metrics]}
+    stage.mark_done(summary)
+    return summary

@@ -1,0 +1,199 @@
+"""The policy: M0 and the two roles. In LoRA mode (one GPU) Challenger and Solver are two adapters on one frozen
+M0; the Judge and the reference policy are M0 with the adapters off. In full fine-tuning mode (the paper's)
+each role has its own weights. `AdapterSync` publishes the trained adapter to a serving engine after every
+optimiser step (vLLM, `vllm serve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch  # noqa: E402
+
+from scope_lib.config import Params  # noqa: E402
+from scope_lib.models.engine import Completion, Engine, Sampling  # noqa: E402
+from scope_lib.models.hf_engine import HFEngine  # noqa: E402
+from scope_lib.models.loading import load_model_and_tokenizer, model_source
+from scope_lib.models.openai_engine import OpenAIEngine
+
+log = logging.getLogger(__name__)
+
+
+ROLES: tuple[str, ...] = ("challenger", "solver")
+
+
+class RoleEngine:
+    """One Engine over several models (full fine-tuning): `adapter` names the role, None is M0 (the Judge)."""
+
+    name = "hf-roles"
+
+    def __init__(self, engines: dict[str | None, HFEngine]):
+        self.engines = engines
+        self.tokenizer = engines[None].tokenizer
+        self.calls = 0
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling,
+                 adapter: str | None = None) -> list[Completion]:
+        if adapter not in self.engines:
+            raise ValueError(f"unknown role {adapter!r}; this policy has {', '.join(map(str, self.engines))}")
+        self.calls += 1
+        return self.engines[adapter].generate(prompt_token_ids, sampling)
+
+
+class Policy:
+    """M0 with a Challenger and a Solver. LoRA: `model` is one PeftModel holding both adapters. Full: `models`
+    holds a copy of M0 per role and `base` the frozen M0 (Judge and reference)."""
+
+    def __init__(self, params: Params, base, tokenizer, *, seed: int = 0):
+        self.params = params
+        self.tokenizer = tokenizer
+        self.finetuning = params.model.finetuning
+        self.base = base
+        base.requires_grad_(False)
+        device = str(next(base.parameters()).device)
+        length, chunk = params.model.max_model_len, params.engine.max_batch_size
+        if self.finetuning == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            m = params.model
+            config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                                target_modules=m.lora_target_modules, task_type="CAUSAL_LM")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)  # the adapters' random A matrices (B starts at 0: each role starts at M0)
+                self.model = get_peft_model(base, config, adapter_name="challenger")
+                self.model.add_adapter("solver", config)
+            self.models: dict[str, Any] = {}
+            self.engine: Engine = HFEngine(self.model, tokenizer, max_model_len=length, max_batch_size=chunk)
+        else:
+            import copy
+
+            self.model = None
+            self.models = {role: copy.deepcopy(base).requires_grad_(True) for role in ROLES}
+            self.engine = RoleEngine({None: HFEngine(base, tokenizer, max_model_len=length, max_batch_size=chunk),
+                                      **{r: HFEngine(m, tokenizer, max_model_len=length, max_batch_size=chunk)
+                                         for r, m in self.models.items()}})
+        log.info("policy: %s fine-tuning of %s on %s", self.finetuning, params.model.base, device)
+
+    @classmethod
+    def load(cls, params: Params, *, seed: int | None = None) -> Policy:
+        """M0 from `model.base` (the tiny model is built or reused), float32 adapters in LoRA mode."""
+        model, tokenizer = load_model_and_tokenizer(model_source(params), dtype=params.model.dtype,
+                                                    device=params.engine.device)
+        return cls(params, model, tokenizer, seed=params.grpo.seed if seed is None else seed)
+
+    # -- what a trainer trains -------------------------------------------------------------------------
+    def trainable(self, role: str):
+        """The module GRPOTrainer trains for `role`: the PeftModel with `role` active (only its weights need
+        gradients), or the role's own copy of M0."""
+        check_role(role)
+        if self.finetuning == "lora":
+            self.model.set_adapter(role)
+            return self.model
+        return self.models[role]
+
+    @property
+    def reference(self):
+        """pi_ref = M0 (§3.1). LoRA: None (TRL disables the adapters); full: the frozen M0 itself."""
+        return None if self.finetuning == "lora" else self.base
+
+    # -- saving and loading ------------------------------------------------------------------------------
+    def save(self, role: str, stage_dir: str | os.PathLike) -> Path:
+        """Write the role to `stage_dir/adapter` (LoRA: adapter_config.json + weights) or `stage_dir/model`,
+        atomically (a temporary folder renamed into place)."""
+        check_role(role)
+        target = Path(stage_dir) / ("adapter" if self.finetuning == "lora" else "model")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=stage_dir))
+        try:
+            if self.finetuning == "lora":
+                self.model.save_pretrained(tmp, selected_adapters=[role])
+                saved = tmp / role  # PEFT writes adapters other than "default" into a subfolder
+            else:
+                self.models[role].save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                saved = tmp
+            if target.exists():
+                shutil.rmtree(target)
+            saved.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    def load_role(self, role: str, folder: str | os.PathLike) -> None:
+        """Put the weights saved by `save` back into the role (resume; the next iteration in a new process)."""
+        check_role(role)
+        folder = Path(folder)
+        if self.finetuning == "lora":
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            weights = folder / "adapter_model.safetensors"
+            if not weights.is_file():
+                raise FileNotFoundError(f"{folder}: no adapter_model.safetensors (saved with Policy.save?)")
+            result = set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=role)
+            unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
+            if unexpected:
+                raise ValueError(f"{folder}: adapter weights do not fit this model ({unexpected[:3]} ...)")
+        else:
+            from transformers import AutoModelForCausalLM
+
+            loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=next(self.base.parameters()).dtype)
+            self.models[role].load_state_dict(loaded.state_dict())
+        log.info("loaded %s from %s", role, folder)
+
+    def publish(self, role: str, folder: str | os.PathLike, engine, version: int | None = None) -> Path:
+        """Save the role and register it with a serving engine (vLLM in this process, or a `vllm serve` through
+        the OpenAI engine), which then generates for it under the role's name."""
+        path = self.save(role, folder)
+        if isinstance(engine, _http_engine_type()):
+            engine.add_adapter(role, path, version=version)
+        else:
+            engine.add_adapter(role, path)
+        return path
+
+    def state(self, role: str) -> dict[str, torch.Tensor]:
+        """A copy of the role's trainable weights (tests compare them before and after a step)."""
+        if self.finetuning == "lora":
+            return {n: p.detach().clone() for n, p in self.model.named_parameters() if f".{role}." in n}
+        return {n: p.detach().clone() for n, p in self.models[role].named_parameters()}
+
+
+def serves_adapters(engine) -> bool:
+    """True for an engine that generates from saved adapter folders (vLLM, a served model), not from the model
+    being trained: its rollouts need the adapter published every step and an importance-sampling correction."""
+    return callable(getattr(engine, "add_adapter", None))
+
+
+def _http_engine_type():
+    return OpenAIEngine
+
+
+class AdapterSync:
+    """Stands where TRL keeps its own vLLM engine (`trainer.vllm_generation`). TRL calls `sync_weights()` once per
+    optimiser step, before the rollouts: the trained adapter is saved and registered with the serving engine as
+    a new version (adapter-only sync: the base on the engine never changes), and a sleeping engine wakes.
+    With `trainer.use_vllm` set, TRL also applies its importance-sampling correction to the engine's logprobs."""
+
+    def __init__(self, policy: Policy, role: str, engine, folder: str | os.PathLike, keep: int = 2):
+        self.policy, self.role, self.engine, self.folder, self.keep = policy, role, engine, Path(folder), keep
+        self.trainer = None
+        self.versions: list[int] = []
+
+    def sync_weights(self) -> None:
+        version = self.trainer.state.global_step if self.trainer is not None else len(self.versions)
+        if hasattr(self.engine, "wake_up"):
+            self.engine.wake_up()
+        self.policy.publish(self.role, self.folder / f"v{version:04d}", self.engine, version=version)
+        self.versions.append(version)
+        for old in self.versions[:-self.keep]:
+            shutil.rmtree(self.folder / f"v{old:04d}", ignore_errors=True)
+
+
+def check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; choose challenger or solver")

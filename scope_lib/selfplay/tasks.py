@@ -1,0 +1,249 @@
+"""Self-play pieces shared by Stage 1 (Challenger reward) and Stage 2 (task filter, Solver reward).
+
+`evaluate_tasks` is Algorithm 1 lines 7-12 and 21-24 for a whole batch: Challenger format score, quality
+gates, rubrics, N Solver rollouts, per-rubric grades, the mean rubric score g-bar and R_C (eq. 4, 5).
+`solver_rewards` is R_S (eq. 6, 7) for graded Solver rollouts. Every model call is batched: one engine call
+per rollout turn, one Judge call per stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from scope_lib.config import Params
+from scope_lib.models.engine import Engine
+from scope_lib.protocol import rewards
+from scope_lib.protocol.dialects import Dialect
+from scope_lib.protocol.parsing import Rubric
+from scope_lib.retrieval.api import Retriever
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.rollout import (
+    ChallengerPrompt,
+    RolloutLimits,
+    RolloutStats,
+    Trajectory,
+    new_trajectory,
+    run_rollouts,
+    solver_messages,
+)
+
+log = logging.getLogger(__name__)
+
+
+def challenger_limits(params: Params) -> RolloutLimits:
+    c = params.challenger
+    return RolloutLimits(max_turns=c.max_turns, max_new_tokens_per_turn=c.max_new_tokens_per_turn,
+                         max_response_tokens=c.max_response_tokens, max_model_len=params.model.max_model_len,
+                         max_prompt_tokens=min(c.max_prompt_tokens, params.selfplay.rollout_prompt_tokens),
+                         temperature=c.temperature, top_p=c.top_p,
+                         top_k_docs=params.retrieval.top_k, max_result_tokens=params.retrieval.max_result_tokens,
+                         seed=params.selfplay.seed)
+
+
+def solver_limits(params: Params, *, filtering: bool = False) -> RolloutLimits:
+    """Solver budgets; `filtering` uses the task-filter sampling (T = 0.7, top-p 0.9, App. G)."""
+    s = params.solver
+    return RolloutLimits(max_turns=s.turn_limit, max_new_tokens_per_turn=s.max_new_tokens_per_turn,
+                         max_response_tokens=s.max_response_tokens, max_model_len=params.model.max_model_len,
+                         max_prompt_tokens=min(s.max_prompt_tokens, params.selfplay.rollout_prompt_tokens),
+                         temperature=s.filter_temperature if filtering else s.temperature,
+                         top_p=s.filter_top_p if filtering else s.top_p,
+                         top_k_docs=params.retrieval.top_k, max_result_tokens=params.retrieval.max_result_tokens,
+                         seed=params.selfplay.seed)
+
+
+@dataclass
+class TaskEvaluation:
+    """Everything the Judge and the Solver said about one Challenger rollout, linked by ids."""
+
+    challenger_id: str
+    document_id: str
+    task_type: str
+    expected_searches: int
+    task: str | None
+    format: rewards.FormatScore
+    gates: dict[str, int | None] = field(default_factory=dict)
+    gates_passed: bool = False
+    rubrics: list[Rubric] | None = None
+    solver_ids: list[str] = field(default_factory=list)
+    solver_scores: list[float] = field(default_factory=list)
+    verdicts: list[list[int | None]] = field(default_factory=list)
+    mean_score: float | None = None
+    reward: float = 0.0
+
+    @property
+    def outcome(self) -> str:
+        """Where the task stopped in the pipeline (for tables of what failed and why)."""
+        if self.task is None:
+            return "no task"
+        if self.format.total == 0:
+            return "format 0"
+        if not self.gates_passed:
+            return "gate failed"
+        if self.rubrics is None:
+            return "no rubrics"
+        return "graded"
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["format_total"] = self.format.total
+        record["outcome"] = self.outcome
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> TaskEvaluation:
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in record.items() if k in names}
+        values["format"] = rewards.FormatScore(**record["format"])
+        if record.get("rubrics") is not None:
+            values["rubrics"] = [Rubric(**r) for r in record["rubrics"]]
+        return cls(**values)
+
+
+@dataclass
+class GradedSolverRollout:
+    """A Solver rollout with its per-rubric verdicts, rubric score g (eq. 1) and reward R_S (eq. 6)."""
+
+    trajectory: Trajectory
+    verdicts: list[int | None]
+    rubric_score: float
+    reward: float = 0.0
+    format: rewards.FormatScore | None = None
+
+
+def challenger_format(traj: Trajectory, dialect: Dialect) -> rewards.FormatScore:
+    """F.1: think, tool and structure components from the decoded turns."""
+    valid, malformed = dialect.count_searches(traj.turns)
+    return rewards.challenger_format(traj.turns, traj.expected_searches or 0, valid, malformed, traj.task,
+                                     starts_in_think=traj.opens_think)
+
+
+def solver_format(traj: Trajectory, dialect: Dialect) -> rewards.FormatScore:
+    """F.2: think, tool (non-final turns) and answer components."""
+    valid_nonfinal, _ = dialect.count_searches(traj.turns[:-1])
+    return rewards.solver_format(traj.turns, valid_nonfinal, traj.answer, starts_in_think=traj.opens_think)
+
+
+def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerPrompt], *, params: Params,
+                   judge: Judge, solver_engine: Engine, retriever: Retriever, dialect: Dialect,
+                   n_solver: int, solver_adapter: str | None = None, filtering: bool = False,
+                   grading_temperature: float | None = None, seed: int | None = None
+                   ) -> tuple[list[TaskEvaluation], list[GradedSolverRollout], RolloutStats]:
+    """Gate, write rubrics for, and estimate the difficulty of every Challenger task in one batch.
+    `seed` seeds the Solver rollouts (default: `selfplay.seed`); give each batch its own."""
+    evals = []
+    for traj in challengers:
+        prompt = prompts[traj.meta["prompt_id"]]
+        evals.append(TaskEvaluation(challenger_id=traj.id, document_id=prompt.document_id,
+                                    task_type=prompt.task_type, expected_searches=prompt.expected_searches,
+                                    task=traj.task, format=challenger_format(traj, dialect)))
+    by_id = {t.id: t for t in challengers}
+
+    # Quality gates QG(q, d): only tasks that exist and have a non-zero format score (F.1).
+    gated = [e for e in evals if e.task is not None and e.format.total > 0]
+    for e, outcome in zip(gated, judge.gates([e.task for e in gated],
+                                             [prompts[by_id[e.challenger_id].meta["prompt_id"]].document
+                                              for e in gated]), strict=True):
+        e.gates, e.gates_passed = outcome.verdicts, outcome.passed
+
+    # Rubrics G from the source document (paper) or the source plus the retrieved evidence (option).
+    passed = [e for e in gated if e.gates_passed]
+    contexts = []
+    for e in passed:
+        traj = by_id[e.challenger_id]
+        source = prompts[traj.meta["prompt_id"]].document
+        contexts.append([source] + (traj.evidence if params.judge.rubric_context == "source+evidence" else []))
+    for e, rubric_list in zip(passed, judge.rubrics([e.task_type for e in passed], [e.task for e in passed],
+                                                    contexts), strict=True):
+        e.rubrics = rubric_list
+
+    # N Solver rollouts per task with rubrics, all in one batched rollout.
+    ready = [e for e in passed if e.rubrics]
+    solvers = []
+    for e in ready:
+        for j in range(n_solver):
+            solvers.append(new_trajectory(f"{e.challenger_id}/s{j}", "solver",
+                                          solver_messages(e.task, dialect, params.solver.max_searches,
+                                                          params.solver.prompt),
+                                          solver_engine.tokenizer, max_searches=params.solver.max_searches,
+                                          meta={"challenger_id": e.challenger_id}))
+            e.solver_ids.append(solvers[-1].id)
+    limits = solver_limits(params, filtering=filtering)
+    if seed is not None:
+        limits = replace(limits, seed=seed)
+    stats = run_rollouts(solvers, solver_engine, retriever, dialect, limits, adapter=solver_adapter)
+
+    temperature = grading_temperature
+    if temperature is None:
+        temperature = params.judge.difficulty_grading_temperature
+    graded = grade_rollouts(solvers, {e.challenger_id: e for e in ready}, judge, temperature=temperature)
+    by_task: dict[str, list[GradedSolverRollout]] = {}
+    for g in graded:
+        by_task.setdefault(g.trajectory.meta["challenger_id"], []).append(g)
+    c = params.challenger
+    for e in evals:
+        runs = by_task.get(e.challenger_id, [])
+        e.verdicts = [g.verdicts for g in runs]
+        e.solver_scores = [g.rubric_score for g in runs]
+        e.mean_score = sum(e.solver_scores) / len(runs) if runs else None
+        e.reward = rewards.challenger_reward(e.format.total, e.gates_passed, e.mean_score,
+                                             format_weight=c.format_weight, difficulty_weight=c.difficulty_weight,
+                                             target=c.difficulty_target, shape=c.reward_shape)
+    return evals, graded, stats
+
+
+def grade_rollouts(solvers: list[Trajectory], tasks: dict[str, TaskEvaluation], judge: Judge, *,
+                   temperature: float | None = None) -> list[GradedSolverRollout]:
+    """Grade every (answer, rubric) pair in one Judge call. A rollout without an answer is not graded:
+    every verdict is 0 (F.2: the answer reward is 0 too)."""
+    triples, owners = [], []
+    for i, traj in enumerate(solvers):
+        task = tasks[traj.meta["challenger_id"]]
+        if traj.answer is None:
+            continue
+        for k, rubric in enumerate(task.rubrics or []):
+            triples.append((task.task, traj.answer, rubric.text))
+            owners.append((i, k))
+    verdicts: list[list[int | None]] = [[0] * len(tasks[t.meta["challenger_id"]].rubrics or []) for t in solvers]
+    if triples:
+        results = judge.grade(*map(list, zip(*triples, strict=True)), temperature=temperature)
+        for (i, k), verdict in zip(owners, results, strict=True):
+            verdicts[i][k] = verdict
+    graded = []
+    for traj, v in zip(solvers, verdicts, strict=True):
+        task = tasks[traj.meta["challenger_id"]]
+        weights = judge.rubric_weights(task.rubrics or [])
+        graded.append(GradedSolverRollout(traj, v, rewards.rubric_score(v, weights)))
+    return graded
+
+
+def solver_rewards(graded: list[GradedSolverRollout], params: Params, dialect: Dialect, tokenizer) -> None:
+    """R_S (eq. 6) for each graded rollout, in place. |a| counts policy-tokenizer tokens of the extracted
+    answer (eq. 7); `solver.length_penalty: false` is the No-LP ablation."""
+    s = params.solver
+    length = rewards.LengthPenalty(s.length_soft, s.length_hard, s.length_floor) if s.length_penalty else None
+    for g in graded:
+        traj = g.trajectory
+        g.format = solver_format(traj, dialect)
+        n_answer = len(tokenizer.encode(traj.answer, add_special_tokens=False)) if traj.answer else 0
+        n_searches, _ = dialect.count_searches(traj.turns)  # F.2: well-formed searches in ALL turns
+        g.reward = rewards.solver_reward(g.rubric_score, n_answer, g.format.total, n_searches,
+                                         accuracy_weight=s.accuracy_weight, format_weight=s.format_weight,
+                                         search_weight=s.search_weight, length=length,
+                                         search_saturation=s.search_saturation)
+
+
+def filter_tasks(evals: list[TaskEvaluation], window: tuple[float, float], per_document: int = 1
+                 ) -> list[TaskEvaluation]:
+    """Stage 2's task pool: gates passed, rubrics written, l <= g-bar <= u, at most `per_document` tasks
+    per source document (Algorithm 1 line 24, App. G)."""
+    lo, hi = window
+    kept, per_doc = [], {}
+    for e in evals:
+        if e.gates_passed and e.rubrics and e.mean_score is not None and lo <= e.mean_score <= hi:
+            if per_doc.get(e.document_id, 0) < per_document:
+                per_doc[e.document_id] = per_doc.get(e.document_id, 0) + 1
+                kept.append(e)
+    return kept

@@ -1,0 +1,615 @@
+"""GRPO for the Challenger and the Solver with TRL (paper eq. 2-3, §3.1, Appendix E, Table 9).
+
+    policy = Policy.load(params)                       # M0 + the two roles (LoRA adapters or full copies)
+    result = train_role(StageContext(...), ids, items)  # one stage: a fresh GRPOTrainer, `steps_per_role` steps
+
+- Roles. LoRA mode (default): one base M0 with two PEFT adapters, `challenger` and `solver` (fp32 adapter
+  weights, all linear layers); the Judge and the reference policy are M0 with adapters disabled. Full mode (the
+  paper's): a copy of M0 per role, a frozen M0 as Judge and reference. Either way `policy.engine` generates for
+  a role with `adapter="challenger"` / `"solver"` and for the Judge with `adapter=None`.
+- One fresh `GRPOTrainer` per role per stage; the policy's weights carry over in memory and are saved by us to
+  `iter_NN/<role>/adapter` (or `model`). TRL's `resume_from_checkpoint` is never used: it reloads every adapter
+  folder of a checkpoint and would overwrite the other role.
+- The trainer is built with beta = 0 and given beta afterwards: with named adapters TRL otherwise looks for an
+  adapter called "default" and, for one with that name, measures KL against a copy of it, not against M0.
+- `rollout_func` drives `scope_lib.selfplay.rollout.run_rollouts`: TRL hands it every prompt G times; it returns one row
+  per entry, in order, with the turn-end token appended under mask 0 and the trajectory record as an extra
+  field. The reward function scores the records (Stage 1: `evaluate_tasks`; Stage 3: `grade_rollouts` +
+  `solver_rewards`): one batched Judge call per stage. A row that never ran (its prompt did not fit) gets None:
+  TRL gives it advantage 0 and keeps it out of its group's baseline.
+- Qwen3 re-renders each turn without earlier thinking, so a trajectory is not one token stream: each
+  assistant turn becomes its own training row sharing the trajectory's advantage (App. E; ScopeGRPOTrainer).
+
+TRL 1.15 computes log-probabilities with a Triton kernel. Where Triton is unavailable (a CPU machine) the
+same computation in plain torch is installed in its place (`install_logprob_fallback`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+import torch  # noqa: E402
+
+from scope_lib.config import Params, ParamsError  # noqa: E402
+from scope_lib.models.engine import Engine  # noqa: E402
+from scope_lib.protocol import rewards  # noqa: E402
+from scope_lib.protocol.dialects import Dialect  # noqa: E402
+from scope_lib.runs import Stage  # noqa: E402
+from scope_lib.selfplay import health  # noqa: E402
+from scope_lib.selfplay.judge import Judge  # noqa: E402
+from scope_lib.selfplay.policy import AdapterSync, Policy, check_role, serves_adapters
+from scope_lib.selfplay.rollout import (
+    ChallengerPrompt,
+    RolloutStats,
+    Trajectory,
+    challenger_messages,
+    new_trajectory,
+    per_turn_datums,
+    run_rollouts,
+    solver_messages,
+)
+from scope_lib.selfplay.tasks import (
+    challenger_limits,
+    evaluate_tasks,
+    grade_rollouts,
+    solver_limits,
+    solver_rewards,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TorchChunkedLogProb:
+    """Plain-torch stand-in for TRL 1.15's Triton `ChunkedLogProbFunction`, installed only when Triton is
+    unavailable. Same call and outputs: per-token log p(target) of temperature-scaled logits (after the
+    model's logit scale and soft-capping), and on request the entropy, log Σp², the mean logit and whether
+    the target is the argmax. Autograd runs through ordinary ops, `chunk_size` rows at a time."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs",)):
+        parts: dict[str, list] = {name: [] for name in ("log_probs", "entropy", "log_sum_sq_probs",
+                                                        "mean_logits", "is_top1")}
+        size = max(1, int(chunk_size or hidden.shape[0] or 1))
+        for start in range(0, hidden.shape[0], size):
+            logits = hidden[start:start + size].float() @ weight.float().t()
+            if bias is not None:
+                logits = logits + bias.float()
+            logits = logits * logit_scale
+            if final_logit_softcapping is not None:
+                logits = final_logit_softcapping * torch.tanh(logits / final_logit_softcapping)
+            logits = logits / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            target = targets[start:start + size].long().unsqueeze(-1)
+            parts["log_probs"].append(logp.gather(-1, target).squeeze(-1))
+            if "entropy" in outputs:
+                parts["entropy"].append(-(logp.exp() * logp).sum(-1))
+            if "log_sum_sq_probs" in outputs:
+                parts["log_sum_sq_probs"].append(torch.logsumexp(2 * logp, dim=-1).detach())
+            if "mean_logits" in outputs:
+                parts["mean_logits"].append(logits.mean(-1).detach())
+            if "is_top1" in outputs:
+                parts["is_top1"].append(logits.argmax(-1) == target.squeeze(-1))
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+
+        def joined(name):
+            if name != "log_probs" and name not in outputs:
+                return None
+            return torch.cat(parts[name]) if parts[name] else empty
+
+        return tuple(joined(n) for n in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
+
+
+def install_logprob_fallback() -> bool:
+    """Give TRL 1.15 a log-prob kernel where Triton is missing (CPU); True when the fallback was installed.
+    TRL 1.16 ships its own torch path; until the pin moves (Unsloth needs trl <= 1.15) this is ours."""
+    import trl.trainer.utils as trl_utils
+
+    if getattr(trl_utils, "_ChunkedLogProbFunction", None) is None:
+        trl_utils._ChunkedLogProbFunction = TorchChunkedLogProb
+        log.info("Triton is unavailable: TRL's chunked log-prob kernel runs in plain torch")
+        return True
+    return False
+
+
+def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.PathLike, steps: int | None = None,
+              world_size: int | None = None):
+    """trl.GRPOConfig for one role's stage. One generation batch per optimiser step: `batch_size` prompts x G
+    rollouts, reached by gradient accumulation over micro-batches of `grpo.per_device_batch_size`."""
+    from trl import GRPOConfig
+
+    check_role(role)
+    g, r = params.grpo, getattr(params, role)
+    steps = steps or params.selfplay.steps_per_role
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    rows = r.batch_size * g.group_size
+    per_device = min(g.per_device_batch_size, rows)
+    if rows % (per_device * world):
+        raise ParamsError(
+            f"{role}.batch_size x grpo.group_size = {r.batch_size} x {g.group_size} = {rows} rollouts per step must "
+            f"divide evenly over grpo.per_device_batch_size ({per_device}) x {world} device(s); change one of them")
+    on_gpu = torch.cuda.is_available() and params.engine.device != "cpu"
+    return GRPOConfig(
+        output_dir=str(output_dir), seed=seed, max_steps=steps, logging_steps=1, save_strategy="no",
+        report_to=list(g.report_to) or "none", disable_tqdm=True,
+        learning_rate=g.learning_rate_for(params.model.finetuning), lr_scheduler_type=g.lr_scheduler,
+        warmup_steps=int(g.warmup_ratio * steps),  # verl's floor: 0.03 x 20 steps -> no warmup step
+        weight_decay=g.weight_decay, max_grad_norm=g.max_grad_norm,
+        beta=0.0,  # set on the trainer after init (module docstring)
+        use_bias_correction_kl=g.kl_importance_ratio,
+        epsilon=r.clip_low, epsilon_high=r.clip_high, delta=g.dual_clip,
+        num_generations=g.group_size, scale_rewards=g.scale_rewards, loss_type=g.loss_type,
+        num_iterations=g.num_epochs, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=rows // (per_device * world),
+        temperature=r.temperature, top_p=r.top_p,  # the log-probs are recomputed at the rollout sampling
+        max_completion_length=r.max_response_tokens, mask_truncated_completions=False,
+        gradient_checkpointing=g.gradient_checkpointing, disable_dropout=True,
+        bf16=on_gpu and params.model.dtype == "bfloat16", use_cpu=not on_gpu,
+        shuffle_dataset=True, remove_unused_columns=False,
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=g.importance_sampling,
+        vllm_importance_sampling_clip_max=g.importance_sampling_clip)
+
+
+def _unwrap(trainer):
+    return trainer.accelerator.unwrap_model(trainer.model)
+
+
+@functools.cache
+def _trainer_class():
+    from accelerate.utils import gather
+    from trl import GRPOTrainer
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.utils import pad, use_adapter
+
+    class ScopeGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with per-turn datums (App. E): rewards and group advantages are computed over one stub
+        row per trajectory; then every assistant turn becomes a training row with that trajectory's
+        advantage, its own context (earlier thinking stripped) and its own reference log-probs."""
+
+        per_turn: bool = False
+        reference_model = None  # full fine-tuning: the frozen M0
+
+        def _generate_and_score_completions(self, inputs):
+            if not self.per_turn:
+                return super()._generate_and_score_completions(inputs)
+            beta, self.beta = self.beta, 0.0  # no reference pass over the stub rows
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            finally:
+                self.beta = beta
+            rows = [(datum[0], datum[1], datum[2], advantage, datum[3] if len(datum) > 3 else None)
+                    for inp, advantage in zip(inputs, out["advantages"].tolist(), strict=True)
+                    for datum in inp["turn_datums"]]
+            per_step = self.args.steps_per_generation if self.model.training else 1
+            pad_id, end_id = self._tokenizer.pad_token_id, self.eos_token_ids[0]
+            while not rows or len(rows) % per_step:  # TRL's split drops a remainder: pad with loss-free rows
+                rows.append(([pad_id], [end_id], [0], 0.0, None))
+            device = self.accelerator.device
+
+            def stack(values, fill, side, dtype=torch.long):
+                return pad([torch.tensor(v, dtype=dtype) for v in values], padding_value=fill,
+                           padding_side=side).to(device)
+
+            prompt_ids = stack([r[0] for r in rows], pad_id, "left")
+            prompt_mask = stack([[1] * len(r[0]) for r in rows], 0, "left")
+            completion_ids = stack([r[1] for r in rows], pad_id, "right")
+            completion_mask = stack([[1] * len(r[1]) for r in rows], 0, "right")
+            tool_mask = stack([r[2] for r in rows], 1, "right")
+            new = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                   "completion_mask": completion_mask, "tool_mask": tool_mask,
+                   "advantages": torch.tensor([r[3] for r in rows], device=device),
+                   "num_items_in_batch": gather((completion_mask * tool_mask).sum()).sum()}
+            ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention = torch.cat([prompt_mask, completion_mask], dim=1)
+            keep = completion_ids.size(1)
+            size = self.args.per_device_train_batch_size
+            corrected = self.use_vllm and self.vllm_importance_sampling_correction
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                if "old_per_token_logps" in out or corrected:
+                    new["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                        self.model, ids, attention, keep, batch_size=size)[0]
+                if self.beta != 0.0:
+                    new["ref_per_token_logps"] = self._reference_logps(ids, attention, keep, size, use_adapter)
+            if corrected:  # the turns were sampled by the serving engine: TRL's ratio, per turn row
+                sampled = stack([r[4] if r[4] is not None else [0.0] * len(r[1]) for r in rows], 0.0, "right",
+                                dtype=torch.float32)
+                loss_mask = (completion_mask * tool_mask).bool()
+                gap = new["old_per_token_logps"] - sampled
+                ratio = importance_ratio(gap, loss_mask.float(), self.vllm_importance_sampling_mode,
+                                         self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+                new["importance_sampling_ratio"] = ratio
+                # TRL logged these over the stub rows: replace them with the turn rows' values
+                metrics = self._metrics["train" if self.model.training else "eval"]
+                for key, value in (("sampling/sampling_logp_difference/mean", gap.abs()[loss_mask].mean()),
+                                   ("sampling/importance_sampling_ratio/mean",
+                                    ratio[loss_mask].mean() if ratio.shape == loss_mask.shape else ratio.mean())):
+                    if metrics.get(key):
+                        metrics[key][-1] = float(torch.nan_to_num(value, nan=0.0))
+            return new
+
+        def _reference_logps(self, ids, attention, keep, size, use_adapter):
+            if self.ref_model is not None:
+                return self._get_per_token_logps_and_entropies(self.ref_model, ids, attention, keep,
+                                                               batch_size=size)[0]
+            with use_adapter(_unwrap(self), adapter_name=None):  # pi_ref = M0: adapters off
+                return self._get_per_token_logps_and_entropies(self.model, ids, attention, keep,
+                                                               batch_size=size)[0]
+
+    return ScopeGRPOTrainer
+
+
+def importance_ratio(logp_diff: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None,
+                     clip_max: float | None) -> torch.Tensor:
+    """exp(log pi_train - log pi_sampler), per token or per sequence, truncated or masked (TRL's four modes)."""
+    diff = torch.nan_to_num(logp_diff * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio if clip_min is None and clip_max is None else ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def make_trainer(policy: Policy, role: str, args, *, dataset_ids: list[str], rollout_func, reward_func,
+                 callbacks=(), per_turn: bool = False, serving=None, sync_folder: str | os.PathLike | None = None):
+    """A fresh trainer for `role`. The model's forward is restored first (each GRPOTrainer patches it with a
+    fused LM head at its own temperature), so exactly one patch, this role's, is active."""
+    from datasets import Dataset
+
+    install_logprob_fallback()
+    model = policy.trainable(role)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.__dict__.pop("forward", None)
+    trainer = _trainer_class()(model=model, reward_funcs=[reward_func], args=args,
+                               train_dataset=Dataset.from_dict({"prompt": list(dataset_ids)}),
+                               processing_class=policy.tokenizer, rollout_func=rollout_func,
+                               callbacks=list(callbacks))
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for noisy in (PrinterCallback, ProgressCallback):  # our callback shows progress and writes the metrics
+        trainer.remove_callback(noisy)
+    trainer.beta = policy.params.grpo.beta
+    trainer.per_turn = per_turn
+    trainer.use_vllm = False  # TRL's own vLLM engine is never built (it would hold merged weights: no Judge)
+    if serving is not None and serves_adapters(serving):
+        sync = AdapterSync(policy, role, serving, sync_folder or Path(args.output_dir) / "published")
+        sync.trainer = trainer
+        trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, sync, -1
+    if policy.reference is not None:
+        from trl.trainer.utils import add_fused_lm_head
+
+        reference = policy.reference
+        reference.__dict__.pop("forward", None)
+        add_fused_lm_head(reference, temperature=args.temperature)
+        trainer.ref_model = reference.eval()
+    return trainer
+
+
+def never_ran(traj: Trajectory) -> bool:
+    """A rollout that produced no model token for a reason outside the policy (prompt or context too long)."""
+    return not traj.turns and traj.finish in ("prompt_too_long", "budget")
+
+
+def trajectory_rows(trajectories: list[Trajectory], tokenizer, *, per_turn: bool,
+                    logprobs: bool = False) -> dict[str, list]:
+    """rollout_func's output: one row per trajectory, in order. The turn-end token closes every completion
+    under mask 0 (TRL counts a row without it as truncated). Per-turn mode: stub rows plus `turn_datums`.
+    `logprobs`: the sampler's log-probabilities too (for the importance-sampling correction)."""
+    end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "env_mask": [], "trajectory": [],
+                            "logprobs": []}
+    if per_turn:
+        out["turn_datums"] = []
+    for traj in trajectories:
+        out["trajectory"].append(traj.to_record())
+        if per_turn or never_ran(traj):
+            out["prompt_ids"].append([pad])
+            out["completion_ids"].append([end])
+            out["env_mask"].append([0])
+            out["logprobs"].append([0.0])
+        else:
+            out["prompt_ids"].append(list(traj.prompt_ids))
+            out["completion_ids"].append(list(traj.completion_ids) + [end])
+            out["env_mask"].append(list(traj.env_mask) + [0])
+            out["logprobs"].append(list(traj.logprobs) + [0.0])
+        if per_turn:
+            out["turn_datums"].append([(d.prompt_ids, d.completion_ids + [end], [1] * len(d.completion_ids) + [0],
+                                        d.logprobs + [0.0]) for d in per_turn_datums(traj)])
+    if not logprobs:  # TRL reads them only for its importance-sampling correction
+        out["logprobs"] = None
+    return out
+
+
+def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Searches, turns, truncation and empty retrievals of a batch of rollouts."""
+    n = max(1, len(trajectories))
+    searches = [s for t in trajectories for s in t.searches if s.valid]
+    return {"rollouts": len(trajectories),
+            "searches_per_rollout": sum(t.n_valid_searches for t in trajectories) / n,
+            "turns_per_rollout": sum(len(t.turns) for t in trajectories) / n,
+            "model_tokens_per_rollout": sum(t.n_model_tokens for t in trajectories) / n,
+            "truncation_rate": sum(t.finish in ("length", "budget") for t in trajectories) / n,
+            "empty_retrieval_rate": (sum(not s.hit_ids for s in searches) / len(searches)) if searches else 0.0,
+            "never_ran": sum(never_ran(t) for t in trajectories)}
+
+
+@dataclass
+class StageContext:
+    """What one training stage works with."""
+
+    params: Params
+    iteration: int
+    role: str
+    policy: Policy
+    retriever: Any
+    dialect: Dialect
+    judge: Judge
+    stage: Stage
+    seed: int
+    solver_adapter: str | None = "solver"   # S_{t-1} for Stage 1's difficulty estimate
+    engine: Engine | None = None             # rollouts (default: the policy's engine)
+    alarms: list[dict] = field(default_factory=list)
+
+    @property
+    def rollout_engine(self) -> Engine:
+        return self.engine or self.policy.engine
+
+
+class RoleSession:
+    """rollout_func, reward function and per-step metrics of one role's stage. `items` maps dataset ids to a
+    ChallengerPrompt (Stage 1) or a pooled TaskEvaluation (Stage 3)."""
+
+    def __init__(self, ctx: StageContext, items: dict[str, Any]):
+        self.ctx = ctx
+        self.items = items
+        self.records = ctx.stage.records("rollouts")
+        self.solver_records = ctx.stage.records("solver_rollouts") if ctx.role == "challenger" else None
+        self.metrics = ctx.stage.records("metrics")
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.per_turn = ctx.dialect.strips_earlier_thinking
+        self._judge_before: dict[str, float] = {}
+
+    # -- TRL hooks ------------------------------------------------------------------------------------
+    def rollout_func(self, prompts: list[str], trainer) -> dict[str, list]:
+        ctx, step = self.ctx, trainer.state.global_step
+        started = time.perf_counter()
+        seen: dict[str, int] = {}
+        trajectories = []
+        for item_id in prompts:  # TRL repeats each prompt G times: the copies are the group
+            j = seen[item_id] = seen.get(item_id, -1) + 1
+            trajectories.append(self._new_trajectory(item_id, f"{item_id}/t{step:03d}/g{j}"))
+        limits = challenger_limits(ctx.params) if ctx.role == "challenger" else solver_limits(ctx.params)
+        limits.seed = ctx.seed * 1000 + step
+        stats = run_rollouts(trajectories, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
+                             adapter=ctx.role)
+        self.pending[step] = {"rollout_s": time.perf_counter() - started, **_rollout_times(stats),
+                              **trajectory_metrics(trajectories)}
+        return trajectory_rows(trajectories, ctx.policy.tokenizer, per_turn=self.per_turn,
+                               logprobs=serves_adapters(ctx.rollout_engine))
+
+    def scope_reward(self, prompts, completions, completion_ids, trajectory, trainer_state=None, **_):
+        """R_C (eq. 4) or R_S (eq. 6) of every row, computed from the trajectory records; None for rows that
+        never ran."""
+        step = trainer_state.global_step if trainer_state is not None else 0
+        started = time.perf_counter()
+        judge_before = self.ctx.judge.stats.totals()
+        trajectories = [Trajectory.from_record(r) for r in trajectory]
+        if self.ctx.role == "challenger":
+            values, metrics = self._challenger_rewards(trajectories, step)
+        else:
+            values, metrics = self._solver_rewards(trajectories, step)
+        judge_after = self.ctx.judge.stats.totals()
+        engine = self.ctx.rollout_engine
+        if self.ctx.params.engine.sleep_mode and callable(getattr(engine, "sleep", None)):
+            engine.sleep()  # the trainer steps next: give it the GPU (woken by the next sync)
+        asked = judge_after["prompts"] - judge_before["prompts"]
+        self.pending.setdefault(step, {}).update(
+            metrics, reward_s=time.perf_counter() - started, judge_s=judge_after["seconds"] - judge_before["seconds"],
+            judge_calls=judge_after["calls"] - judge_before["calls"], judge_prompts=asked,
+            judge_parse_failure_rate=(judge_after["unparseable"] - judge_before["unparseable"]) / asked if asked else 0.0)
+        return values
+
+    # -- the two rewards ------------------------------------------------------------------------------
+    def _challenger_rewards(self, trajectories: list[Trajectory], step: int):
+        ctx = self.ctx
+        ran = [t for t in trajectories if not never_ran(t)]
+        evals, graded, solver_stats = evaluate_tasks(
+            ran, self.items, params=ctx.params, judge=ctx.judge, solver_engine=ctx.rollout_engine,
+            retriever=ctx.retriever, dialect=ctx.dialect, n_solver=ctx.params.selfplay.solver_rollouts_train,
+            solver_adapter=ctx.solver_adapter, seed=ctx.seed * 1000 + 500 + step)
+        by_id = {e.challenger_id: e for e in evals}
+        values = [by_id[t.id].reward if t.id in by_id else None for t in trajectories]
+        self.records.append({"id": t.id, "iteration": ctx.iteration, "step": step + 1, "reward": value,
+                             "evaluation": by_id[t.id].to_record() if t.id in by_id else None,
+                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True))
+        self.solver_records.append({"id": g.trajectory.id, "iteration": ctx.iteration, "step": step + 1,
+                                    "task_id": g.trajectory.meta["challenger_id"], "verdicts": g.verdicts,
+                                    "rubric_score": g.rubric_score, "trajectory": g.trajectory.to_record()}
+                                   for g in graded)
+        gated = [e for e in evals if e.gates]
+        scored = [e.mean_score for e in evals if e.mean_score is not None]
+        c = ctx.params.challenger
+        return values, {
+            **_reward_stats(values),
+            "format": _mean([e.format.total for e in evals]),
+            "format_think": _mean([e.format.think for e in evals]),
+            "format_tool": _mean([e.format.tool for e in evals]),
+            "format_structure": _mean([e.format.structure for e in evals]),
+            "task_rate": _mean([e.task is not None for e in evals]),
+            "gate_pass_rate": _mean([e.gates_passed for e in gated]) if gated else None,
+            "mean_rubric_score": _mean(scored) if scored else None,
+            "difficulty": _mean([rewards.difficulty_reward(g, c.difficulty_target, c.reward_shape)
+                                 for g in scored]) if scored else None,
+            "solver_rollouts": len(graded), "solver_rollout_s": solver_stats.total_s}
+
+    def _solver_rewards(self, trajectories: list[Trajectory], step: int):
+        ctx = self.ctx
+        ran = [t for t in trajectories if not never_ran(t)]
+        graded = grade_rollouts(ran, {t.meta["challenger_id"]: self.items[t.meta["task_id"]] for t in ran},
+                                ctx.judge)
+        solver_rewards(graded, ctx.params, ctx.dialect, ctx.policy.tokenizer)
+        by_id = {g.trajectory.id: g for g in graded}
+        values = [by_id[t.id].reward if t.id in by_id else None for t in trajectories]
+        s = ctx.params.solver
+        length = rewards.LengthPenalty(s.length_soft, s.length_hard, s.length_floor)
+        answer_tokens = [len(ctx.policy.tokenizer.encode(g.trajectory.answer, add_special_tokens=False))
+                         if g.trajectory.answer else 0 for g in graded]
+        self.records.append({"id": t.id, "iteration": ctx.iteration, "step": step + 1,
+                             "task_id": t.meta["task_id"], "reward": value,
+                             "rubric_score": by_id[t.id].rubric_score if t.id in by_id else None,
+                             "verdicts": by_id[t.id].verdicts if t.id in by_id else None,
+                             "format": by_id[t.id].format.total if t.id in by_id else None,
+                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True))
+        return values, {
+            **_reward_stats(values),
+            "rubric_score": _mean([g.rubric_score for g in graded]),
+            "format": _mean([g.format.total for g in graded]),
+            "format_think": _mean([g.format.think for g in graded]),
+            "format_tool": _mean([g.format.tool for g in graded]),
+            "format_answer": _mean([g.format.answer for g in graded]),
+            "length_multiplier": _mean([length(n) if s.length_penalty else 1.0 for n in answer_tokens]),
+            "search_reward": _mean([rewards.search_reward(ctx.dialect.count_searches(g.trajectory.turns)[0],
+                                                          s.search_saturation) for g in graded]),
+            "answer_tokens": _mean(answer_tokens)}
+
+    def _new_trajectory(self, item_id: str, traj_id: str) -> Trajectory:
+        ctx, tok = self.ctx, self.ctx.policy.tokenizer
+        item = self.items.get(item_id)
+        if item is None:
+            raise KeyError(f"training row {item_id!r} is not in this stage's prompts")
+        if ctx.role == "challenger":
+            prompt: ChallengerPrompt = item
+            return new_trajectory(traj_id, "challenger", challenger_messages(prompt, ctx.dialect), tok,
+                                  expected_searches=prompt.expected_searches,
+                                  meta={"prompt_id": prompt.id, "document_id": prompt.document_id,
+                                        "task_type": prompt.task_type})
+        s = ctx.params.solver
+        return new_trajectory(traj_id, "solver", solver_messages(item.task, ctx.dialect, s.max_searches, s.prompt),
+                              tok, max_searches=s.max_searches,
+                              meta={"task_id": item_id, "challenger_id": item.challenger_id})
+
+    # -- per-step metrics ---------------------------------------------------------------------------
+    def log_step(self, step: int, trl_logs: dict[str, float], step_s: float) -> dict[str, Any] | None:
+        """Merge TRL's numbers for optimiser step `step` (1-based) with ours; write metrics.jsonl; check health."""
+        ours = self.pending.pop(step - 1, None)
+        if ours is None:
+            return None
+        ctx = self.ctx
+        generated = ours.get("generation_s", 0.0)
+        update = max(0.0, step_s - ours.get("rollout_s", 0.0) - ours.get("reward_s", 0.0))
+        record = {
+            "id": f"{ctx.role}-{ctx.iteration:02d}-{step:04d}", "role": ctx.role, "iteration": ctx.iteration,
+            "step": step, **{k: v for k, v in ours.items() if not k.endswith("_s")},
+            "kl": trl_logs.get("kl"), "entropy": trl_logs.get("entropy"),
+            "clip_fraction": trl_logs.get("clip_ratio/region_mean"), "loss": trl_logs.get("loss"),
+            "grad_norm": trl_logs.get("grad_norm"), "learning_rate": trl_logs.get("learning_rate"),
+            "zero_spread_share": trl_logs.get("frac_reward_zero_std"),
+            "importance_ratio": trl_logs.get("sampling/importance_sampling_ratio/mean"),
+            "sampler_logp_gap": trl_logs.get("sampling/sampling_logp_difference/mean"),
+            "tokens_per_s": ours.get("generated_tokens", 0) / generated if generated else None,
+            "time_step_s": step_s, "time_generation_s": generated, "time_retrieval_s": ours.get("retrieval_s", 0.0),
+            "time_judge_s": ours.get("judge_s", 0.0), "time_solver_rollouts_s": ours.get("solver_rollout_s", 0.0),
+            "time_update_s": update,
+            "time_overhead_s": max(0.0, ours.get("rollout_s", 0.0) - generated - ours.get("retrieval_s", 0.0))
+            + max(0.0, ours.get("reward_s", 0.0) - ours.get("judge_s", 0.0) - ours.get("solver_rollout_s", 0.0)),
+        }
+        self.metrics.append([record])
+        for alarm in health.check_step(record):
+            ctx.alarms.append(alarm)
+            health.report(alarm, ctx.stage.path.parent.parent)
+        return record
+
+
+def _rollout_times(stats: RolloutStats) -> dict[str, float]:
+    return {"generation_s": stats.generation_s, "retrieval_s": stats.retrieval_s, "engine_calls": stats.engine_calls,
+            "retrieval_calls": stats.retrieval_calls, "generated_tokens": stats.generated_tokens}
+
+
+def _reward_stats(values: list[float | None]) -> dict[str, Any]:
+    scored = [v for v in values if v is not None]
+    return {"reward": _mean(scored) if scored else None, "unscored_rows": len(values) - len(scored)}
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+def _metrics_callback(session: RoleSession):
+    from tqdm.auto import tqdm
+    from transformers import TrainerCallback
+
+    class MetricsCallback(TrainerCallback):
+        """Times each optimiser step, hands TRL's logged numbers to the session, and shows one progress bar
+        per stage (instead of TRL's printed log dictionaries)."""
+
+        def __init__(self):
+            self.started = time.perf_counter()
+            self.bar = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            ctx = session.ctx
+            self.bar = tqdm(total=args.max_steps, desc=f"iteration {ctx.iteration} {ctx.role}", unit="step",
+                            leave=False)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                record = session.log_step(state.global_step, logs, time.perf_counter() - self.started)
+                if self.bar is not None:
+                    self.bar.update(1)
+                    if record and record.get("reward") is not None:
+                        self.bar.set_postfix(reward=f"{record['reward']:.3f}")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+    return MetricsCallback()
+
+
+@dataclass
+class StageResult:
+    steps: int
+    seconds: float
+    metrics: list[dict[str, Any]]
+    saved: Path
+
+
+def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] | None = None) -> StageResult:
+    """Train `ctx.role` for `selfplay.steps_per_role` GRPO steps on `items` (dataset rows are their ids, or
+    `dataset_ids`), write records and metrics into the stage folder, save the role there."""
+    started = time.perf_counter()
+    session = RoleSession(ctx, items)
+    ids = list(dataset_ids if dataset_ids is not None else items)
+    batch = getattr(ctx.params, ctx.role).batch_size
+    if len(ids) < batch:  # TRL's sampler drops incomplete batches: repeat a small pool to one full batch
+        log.warning("%s stage of iteration %d has %d distinct prompts for a batch of %d: repeating them",
+                    ctx.role, ctx.iteration, len(ids), batch)
+        ids = [ids[i % len(ids)] for i in range(batch)]
+    args = grpo_args(ctx.params, ctx.role, seed=ctx.seed, output_dir=ctx.stage.path / "trainer")
+    trainer = make_trainer(ctx.policy, ctx.role, args, dataset_ids=ids, rollout_func=session.rollout_func,
+                           reward_func=session.scope_reward, callbacks=[_metrics_callback(session)],
+                           per_turn=session.per_turn, serving=ctx.rollout_engine,
+                           sync_folder=ctx.stage.path / "published")
+    trainer.train()
+    saved = ctx.policy.save(ctx.role, ctx.stage.path)
+    for scratch in ("trainer", "published"):
+        shutil.rmtree(ctx.stage.path / scratch, ignore_errors=True)
+    metrics = list(session.metrics)
+    return StageResult(steps=trainer.state.global_step, seconds=time.perf_counter() - started, metrics=metrics,
+                       saved=saved)
