@@ -41,7 +41,9 @@ def import_unsloth(params: Params):
         os.environ.setdefault("UNSLOTH_VLLM_STANDBY", "1")
     try:
         from unsloth import FastLanguageModel
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name != "unsloth":
+            raise
         raise ImportError(UNSLOTH_MISSING) from exc
     return FastLanguageModel
 
