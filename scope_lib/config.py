@@ -88,9 +88,9 @@ class UnslothConfig(Section):
     PEFT underneath), which is what the CPU tests exercise."""
 
     load_in_4bit: bool = Field(
-        False, description="QLoRA: M0's linear layers in 4-bit NF4 (bitsandbytes) under 16-bit adapters "
-        "compute; the Judge and the reference policy are then the 4-bit M0. GPU setting (`scope plan` counts "
-        "it); Unsloth's CPU backend loads 16-bit weights where bitsandbytes cannot run 4-bit.")
+        False, description="QLoRA: M0's projections in 4-bit NF4 (bitsandbytes) under the adapters; the Judge "
+        "and the reference policy are then the 4-bit M0. A GPU memory saving (`scope plan` counts it); it also "
+        "runs on CPU through bitsandbytes' CPU backend.")
     fast_inference: bool = Field(
         False, description="GPU only: Unsloth builds a vLLM engine that shares the trainer's weights (one copy "
         "of M0 on the GPU) and it serves the rollouts and the Judge; needs engine.backend: vllm. With "

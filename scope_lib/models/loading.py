@@ -130,15 +130,6 @@ def load_training_model(params: Params):
     return load_model_and_tokenizer(model_source(params), dtype=params.model.dtype, device=params.engine.device)
 
 
-def lora_config(params: Params):
-    """peft.LoraConfig of the roles (`model.lora_*`), what either loader gives each role."""
-    from peft import LoraConfig
-
-    m = params.model
-    return LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                      target_modules=m.lora_target_modules, task_type="CAUSAL_LM")
-
-
 def add_role_adapters(base, params: Params, roles: tuple[str, ...], *, seed: int = 0):
     """One PeftModel over M0 with a LoRA adapter per role, named after it, all with `model.lora_*`: PEFT's
     `get_peft_model` + `add_adapter` (hf), or Unsloth's `get_peft_model` (unsloth). B starts at 0 (each role starts
@@ -152,9 +143,11 @@ def add_role_adapters(base, params: Params, roles: tuple[str, ...], *, seed: int
             from scope_lib.models import unsloth_loader
 
             return unsloth_loader.add_role_adapters(base, params, roles, seed=seed)
-        from peft import get_peft_model
+        from peft import LoraConfig, get_peft_model
 
-        config = lora_config(params)
+        m = params.model
+        config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                            target_modules=m.lora_target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(base, config, adapter_name=roles[0])
         for role in roles[1:]:
             model.add_adapter(role, config)

@@ -1,7 +1,7 @@
 """The policy: M0 and the two roles. In LoRA mode (one GPU) Challenger and Solver are two adapters on one frozen
-M0, made by PEFT or by Unsloth (`model.loader`); the Judge and the reference policy are M0 with the adapters off.
-In full fine-tuning mode (the paper's) each role has its own weights. `AdapterSync` publishes the trained adapter to a serving engine after every
-optimiser step (vLLM, `vllm serve`).
+M0, made by PEFT or by Unsloth (`model.loader`); the Judge and the reference policy are M0 with the adapters
+off. In full fine-tuning mode (the paper's) each role has its own weights. `AdapterSync` publishes the trained
+adapter to a serving engine after every optimiser step (vLLM, `vllm serve`).
 """
 
 from __future__ import annotations

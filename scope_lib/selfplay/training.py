@@ -20,8 +20,9 @@
 - Qwen3 re-renders each turn without earlier thinking, so a trajectory is not one token stream: each
   assistant turn becomes its own training row sharing the trajectory's advantage (App. E; ScopeGRPOTrainer).
 
-TRL 1.15 computes log-probabilities with a Triton kernel. Where Triton is unavailable (a CPU machine) the
-same computation in plain torch is installed in its place (`install_logprob_fallback`).
+TRL 1.15 computes log-probabilities with a Triton kernel. Off the GPU the same computation in plain torch runs
+instead (`install_logprob_fallback`): in its place where Triton is missing, in front of it where Triton is
+installed but has no GPU to run on.
 """
 
 from __future__ import annotations
