@@ -12,10 +12,14 @@ PARAMS ?= params/smoke.yaml
 
 install: $(STAMP)
 
+# The `unsloth` extra (model.loader: unsloth; issue 26) pulls PyPI's CUDA builds of torchvision, torchaudio and
+# torchcodec; their operators do not load on the CPU torch and `import transformers` then fails. Nothing here uses
+# them, so they are uninstalled after the install (a GPU environment keeps its matching CUDA builds).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth]"
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # Every notebook, executed with papermill under the smoke parameters -> runs/smoke/reports/ (.ipynb + .html).
@@ -27,8 +31,10 @@ readme-figure: $(STAMP)
 	$(BIN)/python -c "from scope_lib.reports.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
 
 # The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
+# Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches transformers, PEFT and TRL.
 test: $(STAMP)
 	$(BIN)/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/test_unsloth.py -m unsloth -p no:cacheprovider $(PYTEST_ARGS)
 
 # ruff, the import contracts of pyproject.toml (layers, no circles), and the layer drawing in docs/ is current.
 lint: $(STAMP)

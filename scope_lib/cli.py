@@ -55,9 +55,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from scope_lib.models.loading import import_training_loader
+
+    params = _torch_params(args, models=True)
+    import_training_loader(params)  # Unsloth, when chosen, before the loop imports transformers and TRL
     from scope_lib.selfplay.loop import run
 
-    result = run(_torch_params(args, models=True))
+    result = run(params)
     print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
           f"{len(result.alarms)} health alarm(s)")
     return 0

@@ -82,10 +82,31 @@ class TinyModelConfig(Section):
                                         description="SFT on the teacher's protocol traces (smoke demos).")
 
 
+class UnslothConfig(Section):
+    """Settings of `model.loader: unsloth` (scope_lib/models/unsloth_loader.py). Unsloth's speed and memory
+    savings are GPU features; on a machine without a GPU Unsloth runs its CPU backend (stock transformers and
+    PEFT underneath), which is what the CPU tests exercise."""
+
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: M0's projections in 4-bit NF4 (bitsandbytes) under the adapters; the Judge "
+        "and the reference policy are then the 4-bit M0. A GPU memory saving (`scope plan` counts it); it also "
+        "runs on CPU through bitsandbytes' CPU backend.")
+    fast_inference: bool = Field(
+        False, description="GPU only: Unsloth builds a vLLM engine that shares the trainer's weights (one copy "
+        "of M0 on the GPU) and it serves the rollouts and the Judge; needs engine.backend: vllm. With "
+        "engine.sleep_mode the engine uses Unsloth's standby (UNSLOTH_VLLM_STANDBY=1: the KV cache is freed "
+        "while the trainer steps, the shared weights stay).")
+
+
 class ModelConfig(Section):
     """The base model M0 from which Challenger, Solver and Judge start (§3)."""
 
     base: str = Field("Qwen/Qwen3-8B", description="M0: a hub id, a local directory, or 'tiny' (offline).")
+    loader: Literal["hf", "unsloth"] = Field(
+        "hf", description="How training loads M0 and the LoRA roles: 'hf' = transformers + PEFT; 'unsloth' = "
+        "Unsloth's FastLanguageModel (from_pretrained, get_peft_model; needs the `unsloth` extra and LoRA). "
+        "Same LoRA settings and PEFT adapter files either way, so a run moves between loaders. Evaluation "
+        "and replay load M0 with transformers or vLLM.")
     dialect: Literal["auto", "qwen2.5", "qwen3", "olmo3"] = Field(
         "auto", description="Search-action syntax (Table 11); 'auto' detects it from `base`.")
     finetuning: Literal["lora", "full"] = Field(
@@ -98,6 +119,18 @@ class ModelConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("bfloat16", description="Weights dtype.")
     max_model_len: int = Field(16384, ge=256, description="Max model length, tokens (Table 9).")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when base = 'tiny'.")
+    unsloth: UnslothConfig = Field(default_factory=UnslothConfig, description="Used when loader = 'unsloth'.")
+
+    @model_validator(mode="after")
+    def _loader(self) -> ModelConfig:
+        if self.loader == "unsloth" and self.finetuning != "lora":
+            raise ValueError("model.loader: unsloth trains LoRA adapters (model.finetuning: lora); full "
+                             "fine-tuning uses model.loader: hf")
+        changed = sorted(k for k, v in self.unsloth if v)
+        if self.loader != "unsloth" and changed:
+            raise ValueError(f"model.unsloth.{changed[0]} is set but model.loader is {self.loader!r}: set "
+                             "model.loader: unsloth, or drop the model.unsloth settings")
+        return self
 
 
 class JudgeConfig(Section):
@@ -345,7 +378,9 @@ class GRPOConfig(Section):
         2, ge=1, description="Micro-batch of rollouts per device; the gradient accumulation steps follow from "
         "it: batch_size x G = per_device_batch_size x devices x accumulation. 2 rows of 10k tokens of an 8B "
         "model take about 10 GiB of activations with checkpointing (`scope plan`).")
-    gradient_checkpointing: bool = Field(True, description="Trade compute for memory.")
+    gradient_checkpointing: bool = Field(
+        True, description="Trade compute for memory. With model.loader: unsloth it is Unsloth's checkpointing "
+        "('unsloth': the saved layer inputs go to CPU memory on a GPU; plain recomputation on a CPU).")
     seed: int = Field(42, description="Base seed of the trainers; each stage of each iteration derives its own.")
     importance_sampling: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate", description="When rollouts come from a serving engine (vLLM) rather than the trained "
@@ -523,6 +558,13 @@ class Params(Section):
     #: Models built by a step above the loader (the smoke warm start): model name -> local folder. Not a
     #: parameter (never saved or compared); `scope_lib.models.loading.model_source` reads it.
     _local_models: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _unsloth_engine(self) -> Params:
+        if self.model.unsloth.fast_inference and self.engine.backend != "vllm":
+            raise ValueError("model.unsloth.fast_inference makes Unsloth's vLLM engine the rollout engine: set "
+                             f"engine.backend: vllm (it is {self.engine.backend!r}), or turn fast_inference off")
+        return self
 
     def use_local_model(self, name: str, folder: str | os.PathLike) -> None:
         """Load model `name` (e.g. 'tiny') from `folder` in this process."""

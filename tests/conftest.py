@@ -40,6 +40,31 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
+def _unsloth_process(config) -> bool:
+    """True in the pytest process that runs the Unsloth tests (`-m unsloth`, the second command of `make test`)."""
+    return "unsloth" in (config.option.markexpr or "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Importing Unsloth patches transformers, PEFT and TRL for the whole process, so its tests never run beside
+    the others: outside a `-m unsloth` process they are deselected (and counted as deselected)."""
+    if _unsloth_process(config):
+        return
+    isolated = [item for item in items if item.get_closest_marker("unsloth")]
+    if isolated:
+        items[:] = [item for item in items if not item.get_closest_marker("unsloth")]
+        config.hook.pytest_deselected(items=isolated)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_unsloth_leak(request):
+    """A test process other than the Unsloth one ends without Unsloth imported (its patches would have changed
+    every later test)."""
+    yield
+    import sys
+
+    if not _unsloth_process(request.config):
+        assert "unsloth" not in sys.modules, "a test imported Unsloth outside `pytest -m unsloth`"
 
 
 @pytest.fixture(scope="session")

@@ -52,3 +52,22 @@ def test_light_commands_import_no_heavy_library():
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "HEAVY []" in done.stdout, done.stdout[-500:]
+
+
+def test_unsloth_is_imported_only_when_the_params_choose_it():
+    """Every module of the package imports without Unsloth (whose import patches transformers, PEFT and TRL
+    for the whole process), and so does the loader with `model.loader: hf`; `unsloth` imports it."""
+    probe = (
+        "import importlib, pkgutil, sys\n"
+        "import scope_lib\n"
+        "for module in pkgutil.walk_packages(scope_lib.__path__, 'scope_lib.'):\n"
+        "    importlib.import_module(module.name)\n"
+        "from scope_lib.config import load_params\n"
+        "from scope_lib.models.loading import import_training_loader\n"
+        "import_training_loader(load_params('params/smoke.yaml'))\n"
+        "print('HF', 'unsloth' in sys.modules)\n"
+        "import_training_loader(load_params('params/smoke.yaml', ['model.loader=unsloth']))\n"
+        "print('UNSLOTH', 'unsloth' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "HF False" in done.stdout and "UNSLOTH True" in done.stdout, done.stdout[-500:]

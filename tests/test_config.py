@@ -128,6 +128,20 @@ def test_bad_values_name_key_and_allowed(override, key, hint):
     assert "params/smoke.yaml" in msg and key in msg and hint in msg
 
 
+@pytest.mark.parametrize("overrides, hint", [
+    (["model.loader=vllm"], "'hf' or 'unsloth'"),
+    (["model.loader=unsloth", "model.finetuning=full"], "model.finetuning: lora"),
+    (["model.unsloth.load_in_4bit=true"], "model.unsloth.load_in_4bit is set but model.loader is 'hf'"),
+    (["model.loader=unsloth", "model.unsloth.fast_inference=true"], "set engine.backend: vllm (it is 'hf')"),
+])
+def test_the_unsloth_loader_refuses_settings_it_cannot_honour(overrides, hint):
+    with pytest.raises(ParamsError, match="params/smoke.yaml") as err:
+        load_params(REPO / "params" / "smoke.yaml", overrides)
+    assert hint in str(err.value)
+    fine = load_params(REPO / "params" / "smoke.yaml", ["model.loader=unsloth", "model.unsloth.load_in_4bit=true"])
+    assert fine.model.unsloth.load_in_4bit and not fine.model.unsloth.fast_inference
+
+
 def test_malformed_files(tmp_path):
     with pytest.raises(ParamsError, match="no such params file"):
         load_params(tmp_path / "missing.yaml")

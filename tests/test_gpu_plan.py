@@ -65,3 +65,20 @@ def test_scope_plan_exits_1_when_it_cannot_fit(capsys):
     assert "FITS" in capsys.readouterr().out
     assert main(["plan", "--params", str(REPO / "params" / "qwen3-8b.yaml"), "-o", "model.finetuning=full"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_unsloth_4bit_and_fast_inference_in_the_plan():
+    """4-bit loading: the 6.95B projection weights of Qwen3-8B in NF4 with double quantization (4 + 8/64 +
+    32/16384 bits = 0.516 B each), the other 1.24B (embeddings, lm_head, norms) in bf16: 3.58 + 2.49 = 6.07 GB
+    instead of 16.4. fast_inference: vLLM shares the trainer's weights, so its share is all KV cache."""
+    arch = KNOWN["Qwen/Qwen3-8B"]
+    assert arch.linear_parameters / 1e9 == pytest.approx(6.95, abs=0.01)
+    rows = {r.item: r.gib for r in plan_gpu(qwen3("model.loader=unsloth", "model.unsloth.load_in_4bit=true")).rows}
+    assert rows["base weights M0 (Judge, reference), 4-bit"] * GIB / 1e9 == pytest.approx(6.07, abs=0.01)
+    plain = plan_gpu(qwen3())
+    four_bit = plan_gpu(qwen3("model.loader=unsloth", "model.unsloth.load_in_4bit=true"))
+    assert plain.train_peak - four_bit.train_peak == pytest.approx((16.38e9 - 6.07e9) / GIB, abs=0.02)
+    assert four_bit.generate_peak - four_bit.resident == pytest.approx(0.6 * 80)   # its own vLLM loads bf16
+    own = plain.vllm[0] - plain.vllm[1]
+    shared = plan_gpu(qwen3("model.loader=unsloth", "model.unsloth.fast_inference=true"))
+    assert shared.vllm[1] == 0.0 and shared.vllm[0] - shared.vllm[1] == pytest.approx(own + 16.38e9 / GIB, abs=0.01)

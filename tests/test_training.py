@@ -19,11 +19,13 @@ from scope_lib.runs import Stage
 from scope_lib.selfplay.judge import Judge
 from scope_lib.selfplay.rollout import make_challenger_prompts
 from scope_lib.selfplay.training import (
+    DeviceLogProb,
     RoleSession,
     StageContext,
     TorchChunkedLogProb,
     _metrics_callback,
     grpo_args,
+    install_logprob_fallback,
     make_trainer,
 )
 
@@ -253,3 +255,34 @@ def test_torch_logprob_fallback_matches_log_softmax():
     assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1), atol=1e-5)
     logp.sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_the_logprob_fallback_keeps_triton_for_gpu_tensors_only(monkeypatch):
+    """Triton installed without a GPU (the `unsloth` extra brings it) imports, then fails at the first launch: the
+    fallback then sits in front of TRL's kernel and sends CPU tensors to plain torch. Without Triton it replaces
+    the missing kernel; another library's dispatch (Unsloth's CPU backend) is left in place."""
+    import trl.trainer.utils as trl_utils
+
+    class TritonKernel:  # what TRL's Triton kernel does on a machine without a GPU
+        __module__ = "trl.kernels.chunked_logprob"
+
+        @staticmethod
+        def apply(*args, **kwargs):
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    monkeypatch.setattr(DeviceLogProb, "triton_kernel", None)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", TritonKernel)
+    assert install_logprob_fallback() and trl_utils._ChunkedLogProbFunction is DeviceLogProb
+    assert not install_logprob_fallback()                                        # installed once
+    torch.manual_seed(0)
+    hidden, weight, targets = torch.randn(5, 8), torch.randn(12, 8), torch.randint(0, 12, (5,))
+    got = trl_utils._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 2)[0]
+    assert torch.equal(got, TorchChunkedLogProb.apply(hidden, weight, None, targets, 1.0, 2)[0])
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)
+    assert install_logprob_fallback() and trl_utils._ChunkedLogProbFunction is TorchChunkedLogProb
+
+    class OtherDispatch:
+        __module__ = "unsloth_zoo.cpu.ops"
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", OtherDispatch)
+    assert not install_logprob_fallback() and trl_utils._ChunkedLogProbFunction is OtherDispatch

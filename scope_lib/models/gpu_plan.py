@@ -5,7 +5,8 @@
 
 Arithmetic from the model's architecture (its config.json, or the table below for the paper's models):
 
-- weights: parameters × bytes of `model.dtype`;
+- weights: parameters × bytes of `model.dtype`; with Unsloth's 4-bit loading (`model.unsloth.load_in_4bit`)
+  the projections of every layer take NF4's 0.516 bytes per weight (embeddings and norms keep `model.dtype`);
 - LoRA (`model.finetuning: lora`): the adapters on all seven linear projections of every layer, float32; the
   trained one with its gradient and two AdamW moments (16 bytes per parameter), the frozen other one 4 bytes;
 - full fine-tuning: the trained copy with bf16 gradients, a float32 master copy and AdamW (16 bytes per
@@ -14,9 +15,9 @@ Arithmetic from the model's architecture (its config.json, or the table below fo
   checkpointing the input of every layer plus one layer recomputed with its gradients; without it every
   layer's intermediates. The log-probabilities are computed in chunks (TRL's fused LM head), so no
   vocabulary-sized logits are kept;
-- generation: vLLM holds its own copy of the weights (Unsloth's fast inference shares the trainer's) and a
-  KV cache of 2 × layers × KV heads × head dim × 2 bytes per token; the HF engine needs the KV cache of one
-  generation chunk (`engine.max_batch_size` rollouts, all of them when unset).
+- generation: vLLM holds its own copy of the weights in `model.dtype` (Unsloth's `fast_inference` shares the
+  trainer's) and a KV cache of 2 × layers × KV heads × head dim × 2 bytes per token; the HF engine needs the
+  KV cache of one generation chunk (`engine.max_batch_size` rollouts, all of them when unset).
 
 With vLLM sleeping while the trainer steps (level 1, the base never changes), the two phases peak separately;
 without sleep they add up. Estimates, not measurements: leave the headroom the table shows.
@@ -50,10 +51,14 @@ class Architecture:
 
     @property
     def parameters(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.linear_parameters + self.layers * 2 * self.hidden + self.hidden
+
+    @property
+    def linear_parameters(self) -> int:
+        """The seven projections of every layer (what 4-bit loading quantizes; embeddings and norms are not)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
-        embeddings = self.vocab * h * (1 if self.tied_embeddings else 2)
-        return embeddings + self.layers * per_layer + h
+        return self.layers * (h * q + 2 * h * kv + q * h + 3 * h * self.intermediate)
 
     def lora_parameters(self, rank: int) -> int:
         """r × (in + out) for q, k, v, o, gate, up and down in every layer ("all-linear", lm_head excluded)."""
@@ -85,6 +90,9 @@ KNOWN: dict[str, Architecture] = {
 }
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+#: Bytes per weight of bitsandbytes NF4 with double quantization (Unsloth's 4-bit loading): 4 bits, an 8-bit
+#: scale per block of 64 weights, and a float32 scale per 256 of those scales.
+NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 
 
 def architecture(params: Params) -> Architecture:
@@ -164,18 +172,26 @@ class GpuPlan:
 
 
 def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: str | None = None,
-             sleep: bool = True, unsloth: bool = False) -> GpuPlan:
+             sleep: bool = True) -> GpuPlan:
     """The per-GPU memory plan of `params` on `gpus` GPUs of `gpu_gib` GiB (see the module docstring)."""
     arch = architecture(params)
     engine = engine or params.engine.backend
     b = DTYPE_BYTES[params.model.dtype]
     p = arch.parameters
+    unsloth = params.model.unsloth if params.model.loader == "unsloth" else None
     report = GpuPlan(params.model.base, gpu_gib, gpus, sleep=sleep)
     add = report.rows.append
     weights = p * b / GIB
     if params.model.finetuning == "lora":
         lora = arch.lora_parameters(params.model.lora_rank)
-        add(PlanRow("base weights M0 (Judge, reference)", weights, "both", f"{p / 1e9:.2f}B parameters x {b} B"))
+        if unsloth is not None and unsloth.load_in_4bit:
+            q = arch.linear_parameters
+            add(PlanRow("base weights M0 (Judge, reference), 4-bit", (q * NF4_BYTES + (p - q) * b) / GIB, "both",
+                        f"{q / 1e9:.2f}B projection weights in NF4 ({NF4_BYTES:.3f} B), the other "
+                        f"{(p - q) / 1e9:.2f}B x {b} B"))
+        else:
+            add(PlanRow("base weights M0 (Judge, reference)", weights, "both",
+                        f"{p / 1e9:.2f}B parameters x {b} B"))
         add(PlanRow("trained adapter + gradient + AdamW (fp32)", 16 * lora / GIB, "both",
                     f"{lora / 1e6:.1f}M LoRA parameters (r={params.model.lora_rank}) x 16 B"))
         add(PlanRow("frozen second adapter (fp32)", 4 * lora / GIB, "both", ""))
@@ -190,13 +206,14 @@ def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: st
     context = min(params.model.max_model_len, max(params.challenger.max_prompt_tokens, params.solver.max_prompt_tokens)
                   + max(params.challenger.max_response_tokens, params.solver.max_response_tokens))
     if engine == "vllm":
+        shared = unsloth is not None and unsloth.fast_inference
         share = params.engine.gpu_memory_utilization * report.gpu_gib
-        own = 0.0 if unsloth else weights
+        own = 0.0 if shared else weights  # a vLLM engine of its own loads M0 in model.dtype
         kv_tokens = max(0.0, share - own) * GIB / arch.kv_bytes_per_token()
         add(PlanRow("vLLM: weights + KV cache", share, "generate",
                     f"engine.gpu_memory_utilization x GPU; KV for {kv_tokens / 1e3:.0f}k tokens = "
                     f"{kv_tokens / context:.1f} concurrent {context}-token rollouts"
-                    + (" (weights shared with the trainer: Unsloth)" if unsloth else "")))
+                    + (" (weights shared with the trainer: Unsloth fast_inference)" if shared else "")))
         report.vllm = (share, own, context)
     elif engine == "openai":
         add(PlanRow("generation", 0.0, "generate", "served on other GPUs (engine.base_url, vllm serve)"))

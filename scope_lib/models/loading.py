@@ -2,6 +2,8 @@
 
     model, tokenizer = load_model_and_tokenizer(model_source(params), dtype="float32", device="cpu")
     engine = make_engine(params, "policy")        # hf, vllm or openai, from `engine.backend`
+    base, tokenizer = load_training_model(params)  # M0 for training, through `model.loader` (hf or unsloth)
+    model = add_role_adapters(base, params, ("challenger", "solver"), seed=0)   # the LoRA roles
 
 A model source is a hub id, a local directory, or `tiny` (the offline tiny model: built once from the corpus
 and cached, `scope_lib.models.tiny`). A model made by a step above the loader — the smoke model's warm start
@@ -106,6 +108,52 @@ def load_model_and_tokenizer(source: str | os.PathLike, *, dtype: Any = "auto", 
     return model, tokenizer
 
 
+def import_training_loader(params: Params) -> None:
+    """Import the training loader's library now (Unsloth patches transformers, PEFT and TRL, and applies all of
+    its GPU optimisations only when imported before them): `scope train` and the notebooks call it after the
+    smoke warm start is prepared and before anything else loads. Nothing to do for `model.loader: hf`."""
+    if params.model.loader == "unsloth":
+        from scope_lib.models.unsloth_loader import import_unsloth
+
+        import_unsloth(params)
+
+
+def load_training_model(params: Params):
+    """(M0, tokenizer) for training, through `model.loader`: transformers (`load_model_and_tokenizer`) or
+    Unsloth's FastLanguageModel (`scope_lib.models.unsloth_loader`), in `model.dtype`."""
+    if params.model.loader == "unsloth":
+        from scope_lib.models import unsloth_loader
+
+        dtype = _torch_dtype(params.model.dtype)
+        return unsloth_loader.load_model_and_tokenizer(model_source(params), params,
+                                                       dtype=None if dtype == "auto" else dtype)
+    return load_model_and_tokenizer(model_source(params), dtype=params.model.dtype, device=params.engine.device)
+
+
+def add_role_adapters(base, params: Params, roles: tuple[str, ...], *, seed: int = 0):
+    """One PeftModel over M0 with a LoRA adapter per role, named after it, all with `model.lora_*`: PEFT's
+    `get_peft_model` + `add_adapter` (hf), or Unsloth's `get_peft_model` (unsloth). B starts at 0 (each role starts
+    at M0); the A matrices are drawn from `seed`, the same way by both loaders; torch's global generator is left
+    as it was."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if params.model.loader == "unsloth":
+            from scope_lib.models import unsloth_loader
+
+            return unsloth_loader.add_role_adapters(base, params, roles, seed=seed)
+        from peft import LoraConfig, get_peft_model
+
+        m = params.model
+        config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                            target_modules=m.lora_target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(base, config, adapter_name=roles[0])
+        for role in roles[1:]:
+            model.add_adapter(role, config)
+        return model
+
+
 def load_tokenizer(params: Params, role: Role = "policy"):
     """The role's tokenizer alone (no weights), left-padded: for token budgets and formatting."""
     from transformers import AutoTokenizer
@@ -121,7 +169,8 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
 
     hf: uses `model`/`tokenizer` when given (e.g. the PeftModel being trained), else loads M0 (or
     `judge.model` for the Judge). vllm: one offline engine; in LoRA mode it serves the base and the adapters,
-    so pass the policy engine to the Judge too instead of making a second one. openai: a served model at
+    so pass the policy engine to the Judge too instead of making a second one; with Unsloth's `fast_inference`
+    the policy's engine is the one Unsloth built on `model` (sharing its weights). openai: a served model at
     `engine.base_url` (policy) or `engine.judge_base_url` (Judge; falls back to `base_url`). `name` picks
     another model for the role (e.g. `judge.rubric_model`).
     """
@@ -141,13 +190,19 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
         return HFEngine(model, tokenizer, max_model_len=params.model.max_model_len,
                         max_batch_size=cfg.max_batch_size)
     if backend == "vllm":
+        shared = None
+        if role == "policy" and params.model.loader == "unsloth" and params.model.unsloth.fast_inference:
+            shared = getattr(model, "vllm_engine", None)
+            if shared is None:
+                raise ValueError("model.unsloth.fast_inference: pass the model Unsloth loaded (Policy.model); its "
+                                 "vLLM engine is the policy's engine")
         return VLLMEngine(
             model_source(params, role, name), tokenizer=tokenizer,
             enable_lora=role == "policy" and params.model.finetuning == "lora", max_loras=cfg.max_loras,
             max_lora_rank=params.model.lora_rank, enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
             max_model_len=params.model.max_model_len, seed=params.selfplay.seed, dtype=params.model.dtype,
-            enable_sleep_mode=cfg.sleep_mode)
+            enable_sleep_mode=cfg.sleep_mode, llm=shared)
     if backend == "openai":
         url = cfg.base_url if role == "policy" else (cfg.judge_base_url or cfg.base_url)
         key = "engine.base_url" if role == "policy" else "engine.judge_base_url (or engine.base_url)"

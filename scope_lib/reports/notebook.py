@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scope_lib.config import Params, load_params
-from scope_lib.models.loading import apply_torch_threads, make_engine
+from scope_lib.models.loading import apply_torch_threads, import_training_loader, make_engine
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.corpus import read_corpus, sample_documents
 from scope_lib.retrieval.index import open_retriever
@@ -52,7 +52,9 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
 
     apply_torch_threads(loaded)
-    return prepare(loaded)
+    prepared = prepare(loaded)
+    import_training_loader(prepared)  # Unsloth, when chosen, before transformers (the warm start is built without it)
+    return prepared
 
 
 def _report_figures() -> None:
@@ -60,10 +62,10 @@ def _report_figures() -> None:
     plotly.js from its CDN, so executed notebooks exported to HTML keep their figures. Weight-loading
     progress bars are kept out of the reports."""
     import plotly.io as pio
-    from transformers.utils import logging as hf_logging
+    from huggingface_hub.utils import disable_progress_bars
 
     pio.renderers.default = "plotly_mimetype+notebook_connected"
-    hf_logging.disable_progress_bar()
+    disable_progress_bars()  # transformers reads this when it is imported (kept for Unsloth, which comes first)
 
 
 @dataclass

@@ -86,9 +86,10 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     policy = policy or Policy.load(params)
     if engine is None:
         # hf: generate with the model being trained. vllm / openai: a serving engine over M0 that generates for
-        # each role from its published adapter (adapter-only sync every step, importance-sampling correction)
-        engine = policy.engine if params.engine.backend == "hf" else make_engine(params, "policy",
-                                                                                 tokenizer=policy.tokenizer)
+        # each role from its published adapter (adapter-only sync every step, importance-sampling correction);
+        # Unsloth's fast_inference engine lives on the policy's model
+        engine = policy.engine if params.engine.backend == "hf" else make_engine(
+            params, "policy", model=policy.model, tokenizer=policy.tokenizer)
     if judge is None:
         judges: dict[str, Engine] = {}
 
@@ -115,11 +116,13 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
 
 def science_yaml(params: Params) -> str:
     """The parameters that decide training results: everything but `run` (names and folders, so a run folder
-    can be moved and still resume) and `evaluation` (how checkpoints are measured afterwards)."""
+    can be moved and still resume), `evaluation` (how checkpoints are measured afterwards) and `model.loader`
+    (transformers and Unsloth load the same M0 and the same adapters: a run resumes with either)."""
     import yaml
 
-    return yaml.safe_dump({k: v for k, v in params.model_dump(mode="json").items() if k not in ("run", "evaluation")},
-                          sort_keys=True)
+    science = {k: v for k, v in params.model_dump(mode="json").items() if k not in ("run", "evaluation")}
+    science["model"].pop("loader")
+    return yaml.safe_dump(science, sort_keys=True)
 
 
 def _restore_roles(run: SelfPlayRun) -> None:

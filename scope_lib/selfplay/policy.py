@@ -1,7 +1,7 @@
 """The policy: M0 and the two roles. In LoRA mode (one GPU) Challenger and Solver are two adapters on one frozen
-M0; the Judge and the reference policy are M0 with the adapters off. In full fine-tuning mode (the paper's)
-each role has its own weights. `AdapterSync` publishes the trained adapter to a serving engine after every
-optimiser step (vLLM, `vllm serve`).
+M0, made by PEFT or by Unsloth (`model.loader`); the Judge and the reference policy are M0 with the adapters
+off. In full fine-tuning mode (the paper's) each role has its own weights. `AdapterSync` publishes the trained
+adapter to a serving engine after every optimiser step (vLLM, `vllm serve`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from scope_lib.config import Params  # noqa: E402
 from scope_lib.models.engine import Completion, Engine, Sampling  # noqa: E402
 from scope_lib.models.hf_engine import HFEngine  # noqa: E402
-from scope_lib.models.loading import load_model_and_tokenizer, model_source
+from scope_lib.models.loading import add_role_adapters, load_training_model
 from scope_lib.models.openai_engine import OpenAIEngine
 
 log = logging.getLogger(__name__)
@@ -57,16 +57,8 @@ class Policy:
         base.requires_grad_(False)
         device = str(next(base.parameters()).device)
         length, chunk = params.model.max_model_len, params.engine.max_batch_size
-        if self.finetuning == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            m = params.model
-            config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                                target_modules=m.lora_target_modules, task_type="CAUSAL_LM")
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)  # the adapters' random A matrices (B starts at 0: each role starts at M0)
-                self.model = get_peft_model(base, config, adapter_name="challenger")
-                self.model.add_adapter("solver", config)
+        if self.finetuning == "lora":  # PEFT or Unsloth (`model.loader`); B starts at 0: each role starts at M0
+            self.model = add_role_adapters(base, params, ROLES, seed=seed)
             self.models: dict[str, Any] = {}
             self.engine: Engine = HFEngine(self.model, tokenizer, max_model_len=length, max_batch_size=chunk)
         else:
@@ -81,9 +73,9 @@ class Policy:
 
     @classmethod
     def load(cls, params: Params, *, seed: int | None = None) -> Policy:
-        """M0 from `model.base` (the tiny model is built or reused), float32 adapters in LoRA mode."""
-        model, tokenizer = load_model_and_tokenizer(model_source(params), dtype=params.model.dtype,
-                                                    device=params.engine.device)
+        """M0 from `model.base` (the tiny model is built or reused) through `model.loader` (transformers or
+        Unsloth), float32 adapters in LoRA mode."""
+        model, tokenizer = load_training_model(params)
         return cls(params, model, tokenizer, seed=params.grpo.seed if seed is None else seed)
 
     # -- what a trainer trains -------------------------------------------------------------------------

@@ -20,8 +20,9 @@
 - Qwen3 re-renders each turn without earlier thinking, so a trajectory is not one token stream: each
   assistant turn becomes its own training row sharing the trajectory's advantage (App. E; ScopeGRPOTrainer).
 
-TRL 1.15 computes log-probabilities with a Triton kernel. Where Triton is unavailable (a CPU machine) the
-same computation in plain torch is installed in its place (`install_logprob_fallback`).
+TRL 1.15 computes log-probabilities with a Triton kernel. Off the GPU the same computation in plain torch runs
+instead (`install_logprob_fallback`): in its place where Triton is missing, in front of it where Triton is
+installed but has no GPU to run on.
 """
 
 from __future__ import annotations
@@ -109,16 +110,38 @@ class TorchChunkedLogProb:
         return tuple(joined(n) for n in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
 
 
+class DeviceLogProb:
+    """TRL's Triton kernel for tensors on a GPU, `TorchChunkedLogProb` for the rest. Triton installed on a
+    machine without a GPU (it comes with the `unsloth` extra) imports fine but fails at the first launch with
+    "0 active drivers", so where Triton is present the choice is made per call, by the tensors' device."""
+
+    triton_kernel = None
+
+    @classmethod
+    def apply(cls, hidden, *args, **kwargs):
+        if cls.triton_kernel is not None and hidden.device.type in ("cuda", "xpu"):
+            return cls.triton_kernel.apply(hidden, *args, **kwargs)
+        return TorchChunkedLogProb.apply(hidden, *args, **kwargs)
+
+
 def install_logprob_fallback() -> bool:
-    """Give TRL 1.15 a log-prob kernel where Triton is missing (CPU); True when the fallback was installed.
-    TRL 1.16 ships its own torch path; until the pin moves (Unsloth needs trl <= 1.15) this is ours."""
+    """Give TRL 1.15 a log-prob kernel off the GPU: `TorchChunkedLogProb` where Triton is missing, and
+    `DeviceLogProb` in front of the Triton kernel where it is installed. True when something was installed;
+    a dispatch already there (ours, or Unsloth's CPU backend's) is left alone. TRL 1.16 ships its own torch
+    path; until the pin moves (Unsloth needs trl <= 1.15) this is ours."""
     import trl.trainer.utils as trl_utils
 
-    if getattr(trl_utils, "_ChunkedLogProbFunction", None) is None:
+    kernel = getattr(trl_utils, "_ChunkedLogProbFunction", None)
+    if kernel is None:
         trl_utils._ChunkedLogProbFunction = TorchChunkedLogProb
         log.info("Triton is unavailable: TRL's chunked log-prob kernel runs in plain torch")
         return True
-    return False
+    if kernel is TorchChunkedLogProb or kernel is DeviceLogProb or not kernel.__module__.startswith("trl."):
+        return False
+    DeviceLogProb.triton_kernel = kernel
+    trl_utils._ChunkedLogProbFunction = DeviceLogProb
+    log.info("TRL's Triton log-prob kernel runs for GPU tensors only; plain torch elsewhere")
+    return True
 
 
 def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.PathLike, steps: int | None = None,
