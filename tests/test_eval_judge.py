@@ -222,4 +222,9 @@ def test_scope_eval_against_a_served_judge(served_judge, tiny_model_dir, shared_
     assert usage["requests"] >= 2 and usage["errors"] == 0 and usage["completion_tokens"] > 0
     assert summary["scorers"]["scope_paper"]["n_units"] == 2
     records = [json.loads(line) for line in (tmp_path / "served" / "eval" / "base" / "nq" / "items.jsonl").open()]
-    assert all(u["replies"] and all(u["replies"]) for r in records for u in r["scores"]["scope_paper"]["units"])
+    units = [u for r in records for u in r["scores"]["scope_paper"]["units"]]
+    # Every attempt is recorded with its cache key and no transport error. A sampled tiny model may legitimately
+    # answer with nothing (EOS first), so emptiness is judged over the run, not per reply.
+    assert units and all(u["replies"] and len(u["replies"]) == len(u["request_keys"]) and not u["errors"]
+                         for u in units)
+    assert any(reply for u in units for reply in u["replies"])
