@@ -1,6 +1,6 @@
 """`scope`: the command line.
 
-    scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
+    scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML, index.html)
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
     scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
@@ -45,12 +45,17 @@ def _torch_params(args, *, models: bool = False):
 
 def cmd_run(args) -> int:
     from scope_lib.reports.export import run_notebooks
+    from scope_lib.reports.index_page import write_index
 
     params = _params(args)  # validate before starting any kernel
-    outputs = run_notebooks(args.params, args.override, notebooks=args.notebooks, html=not args.no_html,
-                            reports_dir=params.run_dir / "reports")
+    try:
+        outputs = run_notebooks(args.params, args.override, notebooks=args.notebooks, html=not args.no_html,
+                                reports_dir=params.run_dir / "reports")
+    finally:
+        index = write_index(params.run_dir)  # also after a failing notebook: the page shows which one failed
     for path in outputs:
         print(path)
+    print(index)
     return 0
 
 
