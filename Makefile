@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/scope run $(PARAMS)
 
-# The README's copy of notebook 04's Solver figure, from the demo's run folder (after `make demo`).
-readme-figure: $(STAMP)
+# The README's copy of notebook 04's Solver figure, exported by plotly (kaleido + Chromium) from runs/smoke (after `make demo`).
+readme-figure: $(STAMP) chromium
 	$(BIN)/python -c "from scope_lib.reports.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
 
 # Debian's Chromium: the browser the report test drives (playwright) and plotly's static export uses (kaleido).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,20 @@ def _timestamp(value: str | None) -> float | None:
 
 
 def _introduction(source: str) -> tuple[str, str]:
-    """(title, first paragraph) of a notebook's opening markdown cell, the paragraph clipped to SUMMARY_CHARS."""
+    """(title, summary) of a notebook's opening markdown cell: the summary is the first paragraph as plain
+    text, whole sentences up to SUMMARY_CHARS (a closing "This notebook:" that leads into a list dropped)."""
     lines = source.strip().splitlines()
     title = lines[0].lstrip("# ").strip() if lines else ""
     paragraphs = "\n".join(lines[1:]).strip().split("\n\n")
-    summary = " ".join(paragraphs[0].split()) if paragraphs and paragraphs[0] else ""
-    if len(summary) > SUMMARY_CHARS:
-        summary = summary[:SUMMARY_CHARS].rsplit(" ", 1)[0] + " …"
+    text = re.sub(r"\*\*|`", "", " ".join(paragraphs[0].split())) if paragraphs else ""
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+    while len(sentences) > 1 and sentences[-1].endswith(":"):
+        sentences.pop()
+    summary = ""
+    for sentence in sentences:
+        if summary and len(summary) + len(sentence) > SUMMARY_CHARS:
+            return title, summary + " …"
+        summary = f"{summary} {sentence}".strip()
     return title, summary
 
 
