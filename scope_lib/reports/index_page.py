@@ -124,10 +124,11 @@ code {{ background: #f4f4f4; padding: 0 .2em; }}
 """
 
 
-def write_index(run_dir: str | os.PathLike) -> Path:
-    """Write <run_dir>/reports/index.html from the executed notebooks there and the run's manifest."""
+def write_index(run_dir: str | os.PathLike, reports_dir: str | os.PathLike | None = None) -> Path:
+    """Write index.html in `reports_dir` (default <run_dir>/reports) from the executed notebooks there and the
+    run's manifest and health alarms."""
     run_dir = Path(run_dir)
-    reports = run_dir / "reports"
+    reports = Path(reports_dir) if reports_dir else run_dir / "reports"
     if not reports.is_dir():
         raise FileNotFoundError(f"{reports} does not exist: run `scope run PARAMS` first")
     alarms = read_alarms(run_dir)
