@@ -33,8 +33,10 @@ readme-figure: $(STAMP) chromium
 # Debian's Chromium: the browser the report test drives (playwright) and plotly's static export uses (kaleido).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+# Where it cannot be installed (no apt, no sudo) the browser tests skip, saying why.
 chromium:
-	test -x $(CHROMIUM) || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+	@test -x $(CHROMIUM) || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium) || \
+	  echo "WARNING: could not install chromium: the report browser test and plotly's static export will skip"
 
 # The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
 # Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches transformers, PEFT and TRL.

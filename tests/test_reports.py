@@ -71,12 +71,13 @@ def test_every_report_draws_its_figures_offline(browser, report_run):
     reports = sorted((report_run / "reports").glob("[0-9][0-9]_*.html"))
     assert reports
     for html in reports:
-        expected = figures_in(html.with_suffix(".ipynb"))
+        expected = figures_in(html.with_suffix(".ipynb"))   # the .ipynb keeps the mimetype for JupyterLab
+        assert expected >= 1, html.name
         seen = open_offline(browser, html)
         assert seen["tried"] == [] and seen["errors"] == [], (html.name, seen)
         assert len(seen["drawn"]) == expected and all(n > 0 for n in seen["drawn"]), (html.name, seen, expected)
         text = html.read_text()
-        # plotly.js embedded once, nothing loaded from a CDN, the .ipynb keeps the mimetype for JupyterLab
+        # plotly.js embedded once, no script loaded from anywhere
         assert text.count("plotly.js v") == 1 and "<script src=" not in text, html.name
         assert 1e6 < html.stat().st_size < 10e6, html.stat().st_size
 

@@ -1,5 +1,5 @@
 """Executed notebooks as reports: `scope run PARAMS` runs every numbered notebook with papermill and writes
-the executed copy and an HTML rendering to <run_dir>/reports/."""
+the executed copy and a self-contained HTML rendering (opens offline; docs/reports.md) to <run_dir>/reports/."""
 
 from __future__ import annotations
 
