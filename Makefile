@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo test lint clean readme-figure
+.PHONY: install demo test lint clean readme-figure chromium
 
 install: $(STAMP)
 
@@ -26,13 +26,21 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/scope run $(PARAMS)
 
-# The README's copy of notebook 04's Solver figure, from the demo's run folder (after `make demo`).
-readme-figure: $(STAMP)
+# The README's copy of notebook 04's Solver figure, exported by plotly (kaleido + Chromium) from runs/smoke (after `make demo`).
+readme-figure: $(STAMP) chromium
 	$(BIN)/python -c "from scope_lib.reports.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
+
+# Debian's Chromium: the browser the report test drives (playwright) and plotly's static export uses (kaleido).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+# Where it cannot be installed (no apt, no sudo) the browser tests skip, saying why.
+chromium:
+	@test -x $(CHROMIUM) || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium) || \
+	  echo "WARNING: could not install chromium: the report browser test and plotly's static export will skip"
 
 # The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
 # Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches transformers, PEFT and TRL.
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider $(PYTEST_ARGS)
 	$(BIN)/python -m pytest tests/test_unsloth.py -m unsloth -p no:cacheprovider $(PYTEST_ARGS)
 

@@ -1,6 +1,6 @@
 """`scope`: the command line.
 
-    scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
+    scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML, index.html)
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
     scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
@@ -45,12 +45,20 @@ def _torch_params(args, *, models: bool = False):
 
 def cmd_run(args) -> int:
     from scope_lib.reports.export import run_notebooks
+    from scope_lib.reports.index_page import write_index
+    from scope_lib.reports.notebook import repo_root
 
     params = _params(args)  # validate before starting any kernel
-    outputs = run_notebooks(args.params, args.override, notebooks=args.notebooks, html=not args.no_html,
-                            reports_dir=params.run_dir / "reports")
+    root = repo_root()      # relative paths are the repository's, as in the notebooks
+    reports = root / (args.reports_dir or params.run_dir / "reports")
+    try:
+        outputs = run_notebooks(args.params, args.override, notebooks=args.notebooks, html=not args.no_html,
+                                reports_dir=reports)
+    finally:
+        index = write_index(root / params.run_dir, reports)  # also after a failing notebook: it says failed
     for path in outputs:
         print(path)
+    print(index)
     return 0
 
 
@@ -164,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = with_params(sub.add_parser("run", help="execute the notebooks with papermill"), positional=True)
     run.add_argument("--notebooks", nargs="*", default=None, help="only these (e.g. 01 02); default all")
     run.add_argument("--no-html", action="store_true", help="skip the HTML copies")
+    run.add_argument("--reports-dir", default=None,
+                     help="write the reports and index.html here (default <run>/reports; keeps earlier reports)")
     run.set_defaults(func=cmd_run)
 
     train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)

@@ -102,3 +102,23 @@ def passages(wiki_sample):
     from scope_lib.retrieval.corpus import read_corpus
 
     return read_corpus(wiki_sample).passages
+
+
+#: The notebooks the report tests execute (the quick ones; 04 trains, 05 and 06 evaluate).
+REPORT_NOTEBOOKS = ["01", "02", "03"]
+
+
+@pytest.fixture(scope="session")
+def report_run(shared_data, tmp_path_factory) -> Path:
+    """A run folder whose reports/ holds notebooks 01–03 executed by papermill under the smoke parameters
+    (`retrieval.top_k=2` injected), with their HTML reports: what `scope run` writes, executed once for the
+    notebook and report tests."""
+    from scope_lib.reports.export import run_notebooks
+
+    run = tmp_path_factory.mktemp("report") / "smoke"
+    with pytest.MonkeyPatch.context() as m:  # the kernels inherit it; the autouse fixture is per test
+        m.setenv("HF_HUB_OFFLINE", "1")
+        m.setenv("TRANSFORMERS_OFFLINE", "1")
+        run_notebooks(REPO / "params" / "smoke.yaml", ["retrieval.top_k=2"], notebooks=REPORT_NOTEBOOKS,
+                      reports_dir=run / "reports")
+    return run

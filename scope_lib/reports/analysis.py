@@ -273,65 +273,52 @@ def example_tasks(run_dir, per_iteration: int = 1) -> list[dict[str, Any]]:
     return examples
 
 
-# -- a static figure for the README ---------------------------------------------------------------------------
+# -- figures: notebook 04's reward components, and plotly's static export ------------------------------------
 
-#: Line colours of `svg_line_chart` (plotly's default sequence, so the README matches the notebooks).
-_COLOURS = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3")
-
-
-def svg_line_chart(frame, x: str, columns: Sequence[str], *, title: str, x_label: str, y_label: str,
-                   width: int = 720, height: int = 360) -> str:
-    """`columns` of `frame` against `x` as a self-contained SVG line chart with markers and a legend: the
-    README's copy of a notebook figure (plotly's static export needs Chrome, which a CPU box may lack)."""
-    from xml.sax.saxutils import escape
-
-    columns = [c for c in columns if c in frame and frame[c].notna().any()]
-    if frame.empty or not columns:
-        raise ValueError(f"nothing to plot: no values in {list(columns)}")
-    left, right, top, bottom = 60, 170, 40, 50
-    xs = [float(v) for v in frame[x]]
-    values = [float(v) for c in columns for v in frame[c].dropna()]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(0.0, min(values)), max(values) * 1.05 or 1.0
-    px = lambda v: left + (v - x0) / (x1 - x0) * (width - left - right)  # noqa: E731
-    py = lambda v: height - bottom - (v - y0) / (y1 - y0) * (height - top - bottom)  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{width / 2:.0f}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>']
-    for k in range(5):   # horizontal grid with y ticks
-        v = y0 + (y1 - y0) * k / 4
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(v):.1f}" y2="{py(v):.1f}" stroke="#e5e5e5"/>'
-                   f'<text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
-    for v in sorted(set(xs)):
-        out.append(f'<text x="{px(v):.1f}" y="{height - bottom + 16}" text-anchor="middle">{v:g}</text>')
-    out.append(f'<text x="{(left + width - right) / 2:.0f}" y="{height - 12}" text-anchor="middle">'
-               f'{escape(x_label)}</text>')
-    out.append(f'<text transform="translate(16 {(top + height - bottom) / 2:.0f}) rotate(-90)" '
-               f'text-anchor="middle">{escape(y_label)}</text>')
-    for i, column in enumerate(columns):
-        colour = _COLOURS[i % len(_COLOURS)]
-        points = [(px(float(a)), py(float(b))) for a, b in zip(frame[x], frame[column], strict=True) if b == b]
-        out.append(f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="2" points="'
-                   + " ".join(f"{a:.1f},{b:.1f}" for a, b in points) + '"/>')
-        out += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" fill="{colour}"/>' for a, b in points]
-        ly = top + 10 + 20 * i
-        out.append(f'<line x1="{width - right + 14}" x2="{width - right + 34}" y1="{ly}" y2="{ly}" '
-                   f'stroke="{colour}" stroke-width="2"/><text x="{width - right + 40}" y="{ly + 4}">'
-                   f'{escape(column)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+#: The reward components notebook 04 plots per role, one line each (those with values).
+REWARD_COMPONENTS = {"challenger": ["reward", "format", "gate_pass_rate", "mean_rubric_score", "difficulty"],
+                     "solver": ["reward", "rubric_score", "format", "search_reward", "length_multiplier"]}
 
 
-def write_solver_reward_figure(run_dir, path) -> str:
-    """Notebook 04's "Solver: reward components per GRPO step" figure for `run_dir`, written to `path` as SVG
-    (`make readme-figure` draws the README's from the smoke run)."""
+def reward_components_figure(metrics, role: str) -> Any:
+    """Notebook 04's "<Role>: reward components per GRPO step" figure (one point per step, one line per
+    component of REWARD_COMPONENTS), or None when the role has no step with a component."""
+    import plotly.express as px
+
+    steps = metrics[metrics["role"] == role] if len(metrics) else metrics
+    present = [c for c in REWARD_COMPONENTS[role] if c in steps and steps[c].notna().any()]
+    if steps.empty or not present:
+        return None
+    long = steps.melt(id_vars=["global_step", "iteration"], value_vars=present, var_name="component")
+    return px.line(long, x="global_step", y="value", color="component", markers=True,
+                   title=f"{role.capitalize()}: reward components per GRPO step",
+                   labels={"global_step": "step (all iterations)", "value": "mean over the batch"})
+
+
+def save_figure(fig, path, *, width: int | None = None, height: int | None = None):
+    """A plotly figure as a static image, in the format of the path's suffix (.svg, .png, .pdf, .jpg), by
+    plotly's own export: kaleido driving an installed Chrome or Chromium (`make chromium` installs Debian's;
+    BROWSER_PATH points kaleido at another)."""
     from pathlib import Path
 
-    metrics = training_metrics(run_dir)
-    steps = metrics[metrics["role"] == "solver"] if len(metrics) else metrics
-    svg = svg_line_chart(steps, "global_step", ["reward", "rubric_score", "format", "search_reward"],
-                         title="Solver: reward components per GRPO step", x_label="step (all iterations)",
-                         y_label="mean over the batch")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(svg)
-    return svg
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.write_image(str(path), width=width, height=height)
+    except RuntimeError as exc:
+        if "Chrome" not in str(exc):
+            raise
+        raise RuntimeError(f"cannot write {path}: plotly's static export needs Chrome or Chromium. "
+                           "`make chromium` installs Debian's package (or set BROWSER_PATH to a Chrome "
+                           f"binary). kaleido said: {exc}") from exc
+    return path
+
+
+def write_solver_reward_figure(run_dir, path):
+    """Notebook 04's Solver reward figure for `run_dir`, written to `path` by plotly's export
+    (`make readme-figure` draws the README's from the smoke run)."""
+    figure = reward_components_figure(training_metrics(run_dir), "solver")
+    if figure is None:
+        raise ValueError(f"{run_dir} has no Solver training step with rewards: train it first "
+                         "(`make demo` runs notebook 04)")
+    return save_figure(figure, path, width=760, height=400)

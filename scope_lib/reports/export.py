@@ -1,5 +1,5 @@
 """Executed notebooks as reports: `scope run PARAMS` runs every numbered notebook with papermill and writes
-the executed copy and an HTML rendering to <run_dir>/reports/."""
+the executed copy and a self-contained HTML rendering (opens offline; docs/reports.md) to <run_dir>/reports/."""
 
 from __future__ import annotations
 
@@ -54,12 +54,57 @@ def run_notebooks(params: str | os.PathLike, overrides: list[str] | None = None,
     return written
 
 
+#: The mimetype plotly figures carry in the executed notebooks (JupyterLab renders it live).
+PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
+
+# nbconvert's lab template without anything fetched from the network: no require.js, MathJax, mermaid or widget
+# manager from CDNs (the notebooks use none of them), and plotly.js inlined once in the head when there are figures.
+_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}
+{%- if resources.plotly_js -%}
+<script type="text/javascript">window.PlotlyConfig = {MathJaxConfig: 'local'};</script>
+<script type="text/javascript">{{ resources.plotly_js }}</script>
+{%- endif -%}
+{%- endblock html_head_js -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+
+
+def _figures_as_html(nb) -> int:
+    """Replace each plotly figure output (of this in-memory copy) by the div and `Plotly.newPlot` call plotly
+    writes for it; returns the number of figures."""
+    import plotly.io as pio
+
+    count = 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            figure = output.get("data", {}).get(PLOTLY_MIMETYPE)
+            if figure is None:
+                continue
+            figure = dict(figure)
+            config = figure.pop("config", None) or {}
+            output["data"] = {"text/html": pio.to_html(figure, config=config, include_plotlyjs=False,
+                                                       full_html=False, validate=False)}
+            count += 1
+    return count
+
+
 def to_html(notebook: Path) -> Path:
-    """Render an executed notebook to a standalone HTML file beside it (plotly figures included)."""
+    """Render an executed notebook to a self-contained HTML report beside it: nbconvert's lab template with no
+    script from a CDN, plotly.js embedded once, every figure drawn from its plotly mimetype output. The report
+    opens offline (a mailed file, a cluster behind a firewall, an archive)."""
+    import jinja2
     import nbformat
     from nbconvert import HTMLExporter
+    from plotly.offline import get_plotlyjs
 
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(notebook), as_version=4))
+    nb = nbformat.read(str(notebook), as_version=4)
+    figures = _figures_as_html(nb)
+    exporter = HTMLExporter(template_name="lab", template_file="scope_report.html.j2",
+                            extra_loaders=[jinja2.DictLoader({"scope_report.html.j2": _TEMPLATE})])
+    body, _ = exporter.from_notebook_node(nb, resources={"plotly_js": get_plotlyjs() if figures else ""})
     target = notebook.with_suffix(".html")
     tmp = target.with_suffix(".html.tmp")
     tmp.write_text(body, encoding="utf-8")

@@ -58,13 +58,13 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
 
 
 def _report_figures() -> None:
-    """Plotly figures carry both the interactive mimetype (JupyterLab) and an HTML rendering that loads
-    plotly.js from its CDN, so executed notebooks exported to HTML keep their figures. Weight-loading
-    progress bars are kept out of the reports."""
+    """Plotly figures are stored as their mimetype only: JupyterLab draws it live, and the HTML export
+    (`reports.export.to_html`) draws it with plotly.js embedded in the report, so no figure needs a CDN.
+    Weight-loading progress bars are kept out of the reports."""
     import plotly.io as pio
     from huggingface_hub.utils import disable_progress_bars
 
-    pio.renderers.default = "plotly_mimetype+notebook_connected"
+    pio.renderers.default = "plotly_mimetype"
     disable_progress_bars()  # transformers reads this when it is imported (kept for Unsloth, which comes first)
 
 
