@@ -59,7 +59,7 @@ from scope_lib.models.vllm_engine import VLLMEngine
 from scope_lib.protocol import parsing
 from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.index import open_retriever
-from scope_lib.runs import RecordLog, atomic_write_json, write_jsonl
+from scope_lib.runs import RecordLog, Stage, atomic_write_json, load_weights, write_jsonl
 from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, new_trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,8 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
     --lora-modules iter_03-solver=runs/<run>/iter_03/solver/adapter`).
     Full-model checkpoints get their own engine (hf, vllm) or are served under their name (openai)."""
     resolved = [c if isinstance(c, Checkpoint) else resolve_checkpoint(params, c) for c in checkpoints]
+    for ck in resolved:
+        verify_checkpoint(ck)
     base = engine or make_engine(params, "policy")
     backend = params.engine.backend
     policies: dict[str, Policy] = {}
@@ -176,6 +178,19 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
             policies[ck.name] = Policy(ck, HFEngine(model, tokenizer, max_model_len=params.model.max_model_len),
                                        None)
     return policies
+
+
+def verify_checkpoint(ck: Checkpoint) -> None:
+    """Before a checkpoint is trusted: the checksums its stage's DONE recorded, and its weights parse and are
+    finite (RunError naming the file and the remedy otherwise)."""
+    if ck.path is None:
+        return
+    stage = Stage.__new__(Stage)  # no mkdir: the folder is only read
+    stage.path = ck.path.parent
+    if stage.done:
+        stage.verify()
+    for weights in sorted(ck.path.glob("*.safetensors")):
+        load_weights(weights)
 
 
 def base_engine(policies: dict[str, Policy]) -> Engine | None:
