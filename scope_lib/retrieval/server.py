@@ -63,6 +63,10 @@ MAX_REQUEST_CHARS = 262_144
 MAX_BODY_BYTES = 8 * 1024 * 1024
 #: Index work per merged search the batcher aims at: what a one-query client waits at most behind others.
 SLICE_TARGET_S = 0.2
+#: Most characters of queries in one merged search, whatever the measured speed: bounds one slice's work when
+#: the index gets slower at once (an embedding cache that stops hitting, a loaded machine) before the batcher
+#: measures it; 16,384 characters keep a rollout batch of short queries in one search.
+MAX_SLICE_CHARS = 16_384
 #: A search running longer than this makes /health answer "stalled".
 STALL_S = 30.0
 #: Characters of a client's input an error message may echo.
@@ -139,7 +143,8 @@ class _Job:
 class SearchBatcher:
     """One search thread over a retriever. Every search merges the waiting requests round robin, one query of
     each in turn, up to a budget of characters sized to about `target_s` of index work (doubled while searches
-    are quicker than half the target, scaled down when slower) and `max_batch_queries`; a request larger than
+    are quicker than half the target, scaled down when slower; at most `MAX_SLICE_CHARS`) and
+    `max_batch_queries`; a request larger than
     that is finished over several searches, so no request waits behind a large one for more than about one
     slice. A merged search runs at the largest topk and each request is cut back to its own. If a merged search
     fails, each request's slice is retried alone, so one bad request cannot fail the others. `requests` /
@@ -244,7 +249,7 @@ class SearchBatcher:
         if chars < self.budget_chars:
             return  # a small batch says little about the index's speed
         if elapsed < self.target_s / 2:
-            self.budget_chars = min(self.budget_chars * 2, MAX_REQUEST_CHARS)
+            self.budget_chars = min(self.budget_chars * 2, MAX_SLICE_CHARS)
         elif elapsed > self.target_s:
             self.budget_chars = max(256, int(self.budget_chars * self.target_s / elapsed))
 
