@@ -536,6 +536,10 @@ class RunConfig(Section):
 
     name: str = Field("run", min_length=1, description="Run name: artifacts go to <runs_dir>/<name>/.")
     runs_dir: str = Field("runs", description="Parent folder of run directories.")
+    checkpoint_steps: int = Field(
+        0, ge=0, description="Save a resumable checkpoint of a GRPO stage (role weights, optimiser, scheduler, RNG) "
+        "every this many optimiser steps, so a killed stage resumes where it stopped instead of at its first step; "
+        "0 = off (a killed stage restarts). Does not change results (docs/runs.md).")
     data_dir: str | None = Field(
         None, description="Where corpus and datasets are read; None = $SCOPE_DATA_DIR, else ./data.")
 

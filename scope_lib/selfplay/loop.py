@@ -6,9 +6,10 @@ runs/<name>/iter_NN/challenger/  rollouts, solver_rollouts, metrics, adapter (or
 runs/<name>/iter_NN/pool/        candidates, chunks, tasks, DONE                                 Stage 2
 runs/<name>/iter_NN/solver/      rollouts, metrics, adapter (or model), DONE                     Stage 3
 
-A finished stage (DONE) is skipped. A training stage that was interrupted restarts from its own start: its
-folder is cleared and the role's weights are those of the last finished stage (loaded from disk in a new
-process). The task pool resumes batch by batch: a candidate batch counts once its marker is in
+A finished stage (DONE) is skipped. A training stage that was interrupted resumes from its newest mid-stage
+checkpoint when `run.checkpoint_steps` is set (scope_lib.selfplay.checkpoints); otherwise it restarts from its
+own start (a log line says how many finished steps that discards): its folder is cleared and the role's
+weights are those of the last finished stage (loaded from disk in a new process). The task pool resumes batch by batch: a candidate batch counts once its marker is in
 chunks.jsonl; records of an unfinished batch are dropped and the batch is redone, so nothing is lost or
 duplicated. Every stage has its own seed, so a resumed run writes the same records as an uninterrupted one.
 """
@@ -29,6 +30,7 @@ from scope_lib.retrieval.corpus import document_range, read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import Stage, iteration_dir, write_manifest
 from scope_lib.selfplay import health
+from scope_lib.selfplay.checkpoints import latest_checkpoint
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
 from scope_lib.selfplay.rollout import (
@@ -191,7 +193,7 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
                    "note": "selfplay.co_evolution is false: the Challenger stays at its iteration-1 checkpoint"}
         stage.mark_done(summary)
         return summary
-    stage.reset()
+    restart_or_resume(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # S_{t-1} estimates the difficulty (the Challenger syncs itself)
     seed = stage_seed(r.params, t, "challenger")
     documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed)
@@ -204,6 +206,21 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
                "reward": [m.get("reward") for m in result.metrics]}
     stage.mark_done(summary, saved=result.saved)
     return summary
+
+
+def restart_or_resume(r: SelfPlayRun, t: int, stage) -> None:
+    """Before a training stage: keep what an interrupted attempt left when it has a complete mid-stage checkpoint
+    (`run.checkpoint_steps`; train_role resumes from it), otherwise clear the folder, saying how many finished
+    steps are discarded."""
+    if r.params.run.checkpoint_steps and latest_checkpoint(stage.path / "trainer") is not None:
+        return
+    metrics = stage.path / "metrics.jsonl"
+    finished = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+    if finished:
+        log.warning("iteration %d %s: an interrupted attempt finished %d step(s) but left no mid-stage checkpoint: "
+                    "the stage restarts from its first step (set run.checkpoint_steps to resume mid-stage)", t,
+                    stage.path.name, finished)
+    stage.reset()
 
 
 def build_pool(r: SelfPlayRun, t: int) -> dict:
@@ -310,7 +327,7 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
     stage = r.stage(t, "solver")
     if stage.done:
         return stage.summary
-    stage.reset()
+    restart_or_resume(r, t, stage)
     pool = {rec["id"]: TaskEvaluation.from_record(rec) for rec in r.stage(t, "pool").records("tasks")}
     if not pool:
         summary = {"skipped": "empty task pool", "steps": 0,
