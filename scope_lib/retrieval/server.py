@@ -62,7 +62,7 @@ MAX_REQUEST_CHARS = 262_144
 #: Largest request body (JSON escapes can make a body up to ~6x its characters).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 #: Index work per merged search the batcher aims at: what a one-query client waits at most behind others.
-SLICE_TARGET_S = 0.2
+SLICE_TARGET_S = 0.1
 #: Most characters of queries in one merged search, whatever the measured speed: bounds one slice's work when
 #: the index gets slower at once (an embedding cache that stops hitting, a loaded machine) before the batcher
 #: measures it; 16,384 characters keep a rollout batch of short queries in one search.
