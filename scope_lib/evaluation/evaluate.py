@@ -24,7 +24,6 @@ Layout, under runs/<name>/eval/:
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import warnings
@@ -59,7 +58,7 @@ from scope_lib.models.vllm_engine import VLLMEngine
 from scope_lib.protocol import parsing
 from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.index import open_retriever
-from scope_lib.runs import RecordLog, Stage, atomic_write_json, load_weights, write_jsonl
+from scope_lib.runs import RecordLog, Stage, atomic_write_json, load_weights, read_json, write_jsonl
 from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, new_trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
@@ -185,8 +184,7 @@ def verify_checkpoint(ck: Checkpoint) -> None:
     finite (RunError naming the file and the remedy otherwise)."""
     if ck.path is None:
         return
-    stage = Stage.__new__(Stage)  # no mkdir: the folder is only read
-    stage.path = ck.path.parent
+    stage = Stage(ck.path.parent)
     if stage.done:
         stage.verify()
     for weights in sorted(ck.path.glob("*.safetensors")):
@@ -551,7 +549,7 @@ def _write_checkpoint_summary(params: Params, checkpoint: str) -> None:
     folder = eval_dir(params, checkpoint)
     merged = {}
     for path in sorted(folder.glob("*/summary.json")):
-        s = json.loads(path.read_text())
+        s = read_json(path, "delete it; the next `scope eval` rewrites it from the stored records")
         merged[s["benchmark"]] = {n: {k: v[k] for k in ("value", "ci95", "n_scored", "n_invalid_units")}
                                   for n, v in s["scorers"].items()}
     atomic_write_json(folder / "summary.json", {"checkpoint": checkpoint, "benchmarks": merged})
@@ -559,4 +557,5 @@ def _write_checkpoint_summary(params: Params, checkpoint: str) -> None:
 
 def load_summary(params: Params, checkpoint: str, benchmark: str) -> dict[str, Any] | None:
     path = eval_dir(params, checkpoint, benchmark) / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "delete it; the next `scope eval` rewrites it from the stored records") \
+        if path.is_file() else None
