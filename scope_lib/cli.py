@@ -302,6 +302,9 @@ def one_line(exc: BaseException) -> tuple[bool, str]:
     if isinstance(exc, json.JSONDecodeError):
         return True, f"damaged JSON ({exc}): delete the damaged file to regenerate it"
     if type(exc).__name__ == "SafetensorError":
+        if "StorageFull" in str(exc) or "code: 28" in str(exc):  # writing weights on a full disk
+            return True, (f"disk full writing weights ({exc}): free space and run the same command again (the "
+                          "weights are written under a temporary name: nothing half-written is trusted)")
         return True, f"a .safetensors file is damaged ({exc}): `scope runs verify <run>` names it"
     if isinstance(exc, ParamsError | CorpusError | BenchmarkDataError | JudgeUnavailable | RetrievalError |
                   RunError | ValueError):
