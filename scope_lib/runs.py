@@ -166,21 +166,20 @@ def scan_jsonl(path: str | os.PathLike, *, require_id: bool = False
     line without its newline is torn (a kill mid-write), not damaged."""
     records, damaged, torn = [], [], 0
     with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    tail = lines.pop()  # after the final newline: b"" unless the last write was torn
-    if tail.strip():
-        torn = len(tail)
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            record = None
-        if isinstance(record, dict) and (not require_id or isinstance(record.get("id"), str)):
-            records.append(record)
-        else:
-            damaged.append((number, line))
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):  # only the last line can lack it: a torn final write
+                torn = len(line)
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = None
+            if isinstance(record, dict) and (not require_id or isinstance(record.get("id"), str)):
+                records.append(record)
+            else:
+                damaged.append((number, line.rstrip(b"\n")))
     return records, damaged, torn
 
 
