@@ -69,6 +69,28 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder_and_a_killed_holde
     _holder(run_dir).kill()  # the kernel dropped the killed holder's lock: a new process takes it
 
 
+def test_two_scope_train_on_one_run_the_second_is_refused(tmp_path):
+    """Two real `scope train` on one run, started one after the other: the second exits at once naming the first."""
+    runs = tmp_path / "runs"
+    env = _env(SCOPE_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_NUM_THREADS="1")
+    overrides = ["-o", f"run.runs_dir={runs}", "-o", "run.name=twice"]
+    first = subprocess.Popen([sys.executable, "-m", "scope_lib.cli", "train", "params/smoke.yaml", *overrides],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        holder = runs / "twice" / ".lock.holder"
+        deadline = time.monotonic() + 60
+        while not (holder.is_file() and json.loads(holder.read_text() or "{}").get("pid") == first.pid):
+            assert first.poll() is None and time.monotonic() < deadline, "the first `scope train` never took the lock"
+            time.sleep(0.05)
+        second = _scope("train", "params/smoke.yaml", *overrides, env=env)
+        assert second.returncode == 2 and f"is in use by pid {first.pid}" in second.stderr, second.stderr
+        assert first.poll() is None  # the first one goes on
+    finally:
+        first.kill()
+        first.wait()
+
+
 def test_children_of_the_holder_may_write_others_may_not(tmp_path):
     run_dir = (tmp_path / "r").resolve()
     holder = _holder(run_dir)
