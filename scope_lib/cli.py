@@ -10,12 +10,21 @@
     scope index check --params P                 canary queries, results and fingerprints: pass/fail table
     scope serve retrieval --params P             Search-R1 compatible /retrieve server (any backend)
     scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...]   benchmarks -> <run>/eval/<checkpoint>/
+    scope runs verify RUN                        checksums and tensors of every saved checkpoint of a run
+
+train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
+(bad parameters, a missing or damaged file, disk full, permissions, a locked run, a server down) ends in one
+line naming the file or endpoint and what to do; `scope --debug ...` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
+import json
 import logging
+import sqlite3
 import sys
 
 from scope_lib.config import ParamsError, describe_fields, load_params
@@ -43,6 +52,19 @@ def _torch_params(args, *, models: bool = False):
     return params
 
 
+def writes_run(command):
+    """Commands that write to the run folder hold its lock for the life of the process (`runs.lock_run`)."""
+    @functools.wraps(command)
+    def guarded(args) -> int:
+        from scope_lib.runs import lock_run
+
+        lock_run(_params(args).run_dir)
+        return command(args)
+
+    return guarded
+
+
+@writes_run
 def cmd_run(args) -> int:
     from scope_lib.reports.export import run_notebooks
     from scope_lib.reports.index_page import write_index
@@ -62,16 +84,18 @@ def cmd_run(args) -> int:
     return 0
 
 
+@writes_run
 def cmd_train(args) -> int:
     from scope_lib.models.loading import import_training_loader
 
     params = _torch_params(args, models=True)
     import_training_loader(params)  # Unsloth, when chosen, before the loop imports transformers and TRL
+    from scope_lib.selfplay.health import read_alarms
     from scope_lib.selfplay.loop import run
 
     result = run(params)
     print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
-          f"{len(result.alarms)} health alarm(s)")
+          f"{len(read_alarms(result.run_dir))} health alarm(s) in {result.run_dir / 'health.jsonl'}")
     return 0
 
 
@@ -140,6 +164,7 @@ def cmd_serve_retrieval(args) -> int:
     return 0
 
 
+@writes_run
 def cmd_eval(args) -> int:
     from scope_lib.evaluation.evaluate import evaluate
 
@@ -156,8 +181,25 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_runs_verify(args) -> int:
+    from pathlib import Path
+
+    from scope_lib.runs import verify_run
+
+    run_dir = Path(args.run)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run folder (give <runs_dir>/<name>, e.g. runs/smoke)")
+    results = verify_run(run_dir)
+    for stage, verdict in results:
+        print(f"{str(stage.relative_to(run_dir)):<24} {verdict}")
+    failed = [v for _, v in results if v.startswith("FAIL")]
+    print(f"{run_dir}: {len(results)} finished stage(s), {len(failed)} failed")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scope", description="SCOPE toolkit (arXiv 2605.31433)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_params(p, positional=False):
@@ -223,23 +265,61 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--benchmarks", nargs="*", default=None, metavar="B",
                     help="benchmark names (default: evaluation.benchmarks)")
     ev.set_defaults(func=cmd_eval)
+
+    runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)
+    verify = runs.add_parser("verify", help="check every saved checkpoint of a run; exit 1 on a damaged one")
+    verify.add_argument("run", help="the run folder, e.g. runs/smoke")
+    verify.set_defaults(func=cmd_runs_verify)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.debug:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
+        user, line = one_line(exc)
+        print(f"error: {line}" if user else f"error: {type(exc).__name__}: {exc} (an internal error: rerun with "
+              "--debug and report the traceback)", file=sys.stderr)
+        return 2 if user else 1
+
+
+def one_line(exc: BaseException) -> tuple[bool, str]:
+    """(whether a user can cause or fix it, one line naming the file or endpoint and what to do)."""
     from scope_lib.evaluation.benchmarks import BenchmarkDataError
     from scope_lib.evaluation.judge import JudgeUnavailable
     from scope_lib.retrieval.api import RetrievalError
     from scope_lib.retrieval.corpus import CorpusError
+    from scope_lib.runs import RunError
 
-    try:
-        return args.func(args)
-    except (ParamsError, CorpusError, FileNotFoundError, BenchmarkDataError, JudgeUnavailable, RetrievalError,
-            ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True, (f"disk full writing {exc.filename or 'the run folder'}: free space and run the same "
+                      "command again (a run resumes from its records; nothing half-written is trusted)")
+    if isinstance(exc, PermissionError):
+        return True, f"permission denied: {exc.filename or exc}: check the folder's owner and mode"
+    if isinstance(exc, IsADirectoryError):
+        return True, f"{exc.filename} is a folder where a file was expected: check the path"
+    if isinstance(exc, OSError):
+        return True, f"{exc.strerror or exc}: {exc.filename}" if exc.filename else f"{exc}"
+    if isinstance(exc, sqlite3.DatabaseError):
+        return True, f"a SQLite database is damaged ({exc}): it is a cache; delete it to rebuild"
+    if isinstance(exc, json.JSONDecodeError):
+        return True, f"damaged JSON ({exc}): delete the damaged file to regenerate it"
+    if type(exc).__name__ == "SafetensorError":
+        if "StorageFull" in str(exc) or "code: 28" in str(exc):  # writing weights on a full disk
+            return True, (f"disk full writing weights ({exc}): free space and run the same command again (the "
+                          "weights are written under a temporary name: nothing half-written is trusted)")
+        return True, f"a .safetensors file is damaged ({exc}): `scope runs verify <run>` names it"
+    if isinstance(exc, ParamsError | CorpusError | BenchmarkDataError | JudgeUnavailable | RetrievalError |
+                  RunError | ValueError):
+        return True, str(exc)
+    return False, str(exc)
 
 
 if __name__ == "__main__":

@@ -536,8 +536,20 @@ class RunConfig(Section):
 
     name: str = Field("run", min_length=1, description="Run name: artifacts go to <runs_dir>/<name>/.")
     runs_dir: str = Field("runs", description="Parent folder of run directories.")
+    checkpoint_steps: int = Field(
+        0, ge=0, description="Save a resumable checkpoint of a GRPO stage (role weights, optimiser, scheduler, RNG) "
+        "every this many optimiser steps, so a killed stage resumes where it stopped instead of at its first step; "
+        "0 = off (a killed stage restarts). Does not change results (docs/runs.md).")
     data_dir: str | None = Field(
         None, description="Where corpus and datasets are read; None = $SCOPE_DATA_DIR, else ./data.")
+
+    @model_validator(mode="after")
+    def _single_component(self):
+        name = self.name
+        if name.strip() in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError(f"run.name {name!r} must be one folder name (no '/', not '.' or '..'): the run lives "
+                             "in <runs_dir>/<name>/; use run.runs_dir to choose where runs go")
+        return self
 
 
 class Params(Section):
@@ -629,6 +641,8 @@ def load_params(path: str | os.PathLike | None = None,
 def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read one params file; a top-level `inherit: other.yaml` (relative to this file) is read first and
     this file's sections are merged over it, key by key."""
+    if path.is_dir():
+        raise ParamsError(f"{path} is a folder: give a params YAML file (e.g. params/smoke.yaml)")
     if not path.is_file():
         raise ParamsError(f"{path}: no such params file")
     if path.resolve() in seen:

@@ -1,8 +1,11 @@
-"""Run directories and artifacts: atomic writes, append-only JSONL records, stage sentinels, resume.
+"""Run directories and artifacts: one writer per run, atomic writes, append-only JSONL records, stage
+sentinels with checksums, resume. What is guaranteed after a crash, a kill, a full disk, a double start or a
+damaged file: docs/runs.md.
 
 A stage directory holds `<name>.jsonl` record files and a `DONE` sentinel. Records carry ids that link
 document -> task -> rubrics -> rollouts -> grades. A run killed mid-stage resumes from its records: a
-torn last line (the kill landed mid-write) is dropped, finished ids are skipped, none is written twice.
+torn last line (the kill landed mid-write) is dropped, finished ids are skipped, none is written twice. A line
+damaged in the middle of a file is reported (file:line) and moved to `<file>.damaged`; the records after it stay.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -21,16 +26,101 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+class RunError(RuntimeError):
+    """A run folder cannot be used as it is (locked by another process, a damaged file or checkpoint). The
+    message names the file and what to do; the CLI prints it as one line."""
+
+
+# -- one writer per run ------------------------------------------------------------------------------
+
+#: Set by a process holding a run's lock for the children it starts (`scope run`'s notebook kernels):
+#: "<run folder>|<holder pid>". A child whose variable names the run and a live holder may write to it.
+LOCK_ENV = "SCOPE_RUN_LOCK"
+_held: dict[Path, Any] = {}
+
+
+def lock_run(run_dir: str | os.PathLike) -> Path:
+    """Make this process the only writer of `run_dir` (train, run, eval) until it exits. The lock is an flock on
+    `<run>/.lock` (filelock): the kernel drops it when the process ends, however it ends, so a crash or
+    kill -9 leaves no stale lock. A second process gets a RunError naming the holder (pid, host, start
+    time). Idempotent within a process; a child of the holder (LOCK_ENV) is let through."""
+    from filelock import FileLock, Timeout
+
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _held:
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    holder_file = run_dir / ".lock.holder"
+    inherited = os.environ.get(LOCK_ENV, "")
+    if inherited:
+        folder, _, pid = inherited.rpartition("|")
+        if Path(folder) == run_dir and pid.isdigit() and _alive(int(pid)):
+            _held[run_dir] = None
+            return run_dir
+    lock = FileLock(str(run_dir / ".lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunError(f"{run_dir} is in use by {_holder_text(holder_file)}: one process writes to a run at a "
+                       "time; wait for it to finish (or stop it), or choose another run.name") from None
+    _held[run_dir] = lock
+    atomic_write_json(holder_file, {"pid": os.getpid(), "host": socket.gethostname(),
+                                    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    os.environ[LOCK_ENV] = f"{run_dir}|{os.getpid()}"  # inherited by children (notebook kernels)
+    return run_dir
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder_text(holder_file: Path) -> str:
+    try:
+        h = json.loads(holder_file.read_text())
+        return f"pid {h['pid']} on {h['host']} (started {h['started']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+# -- files -------------------------------------------------------------------------------------------
+
+
+def read_json(path: str | os.PathLike, remedy: str = "") -> Any:
+    """A JSON file (manifest, sentinel, summary); a damaged one raises RunError naming it and the remedy."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RunError(f"{path} is damaged ({exc}){': ' + remedy if remedy else ''}") from None
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """The same OSError with the file it happened on (a failed write() carries no file name)."""
+    if exc.filename is None and exc.errno is not None:
+        return type(exc)(exc.errno, exc.strerror, str(path))
+    return exc
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write via a temporary file in the same folder and rename: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as exc:  # e.g. disk full: the old file (if any) is untouched
+        tmp.unlink(missing_ok=True)
+        raise _named(exc, path) from exc
     return path
 
 
@@ -69,39 +159,83 @@ def build_directory(final: str | os.PathLike, build: Callable[[Path], Any], *, m
     return final
 
 
+def scan_jsonl(path: str | os.PathLike, *, require_id: bool = False
+               ) -> tuple[list[dict[str, Any]], list[tuple[int, bytes]], int]:
+    """Read a JSONL file line by line: (valid records, damaged lines as (line number, bytes), bytes of a torn
+    final line). A record is valid when it is a JSON object (with a string `id` when `require_id`). The last
+    line without its newline is torn (a kill mid-write), not damaged."""
+    records, damaged, torn = [], [], 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):  # only the last line can lack it: a torn final write
+                torn = len(line)
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = None
+            if isinstance(record, dict) and (not require_id or isinstance(record.get("id"), str)):
+                records.append(record)
+            else:
+                damaged.append((number, line.rstrip(b"\n")))
+    return records, damaged, torn
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every valid record of a JSONL file (notebooks, analysis): a torn final line and damaged lines are
+    skipped with a warning naming file:line (the writer's RecordLog moves them aside on its next open)."""
+    records, damaged, torn = scan_jsonl(path)
+    for number, _ in damaged:
+        log.warning("%s:%d: damaged record skipped", path, number)
+    if torn:
+        log.warning("%s: torn final line (%d bytes) skipped", path, torn)
+    return records
 
 
 class RecordLog:
-    """An append-only JSONL file of records, each with a unique string `id`."""
+    """An append-only JSONL file of records, each with a unique string `id`.
+
+    Opening it validates every line: a torn final line (a kill mid-write) is dropped; a damaged line elsewhere
+    is reported with file:line and moved to `<file>.damaged`, and every valid record after it is kept. Callers
+    that track finished work elsewhere (the task pool's chunk markers) reconcile with `ids` after opening."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()  # an empty log is a file too: readers need not tell "none yet" from "missing"
-        self._ids = {r["id"] for r in self._read(repair=True)}
+        self.damaged = 0  # damaged lines moved aside when this log was opened
+        self._ids = {r["id"] for r in self._repair()}
 
-    def _read(self, repair: bool = False) -> Iterator[dict[str, Any]]:
-        if not self.path.exists():
-            return
-        good_bytes = 0
-        with open(self.path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # torn final write
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                good_bytes += len(line)
-                yield record
-        if repair and good_bytes < self.path.stat().st_size:
-            log.warning("%s: dropping a torn final record (%d bytes) left by an interrupted write",
-                        self.path, self.path.stat().st_size - good_bytes)
+    def _repair(self) -> list[dict[str, Any]]:
+        records, damaged, torn = scan_jsonl(self.path, require_id=True)
+        if torn and not damaged:
+            size = self.path.stat().st_size
+            log.warning("%s: dropping a torn final record (%d bytes) left by an interrupted write", self.path, torn)
             with open(self.path, "r+b") as f:
-                f.truncate(good_bytes)
+                f.truncate(size - torn)
+        elif damaged:
+            aside = self.path.with_name(self.path.name + ".damaged")
+            with open(aside, "ab") as f:
+                f.write(b"".join(line + b"\n" for _, line in damaged))
+            for number, _ in damaged:
+                log.warning("%s:%d: damaged record moved to %s; the %d valid record(s) are kept", self.path,
+                            number, aside, len(records))
+            write_jsonl(self.path, records)
+            self.damaged = len(damaged)
+        seen: set[str] = set()
+        unique = [r for r in records if not (r["id"] in seen or seen.add(r["id"]))]
+        if len(unique) < len(records):
+            log.warning("%s: %d duplicated record id(s) ignored", self.path, len(records) - len(unique))
+        return unique
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        seen: set[str] = set()
+        for record in scan_jsonl(self.path, require_id=True)[0] if self.path.exists() else []:
+            if record.get("id") not in seen:
+                seen.add(record.get("id"))
+                yield record
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self._read()
@@ -119,7 +253,7 @@ class RecordLog:
     def retain(self, keep: Callable[[dict[str, Any]], bool]) -> int:
         """Atomically rewrite the file with only the records `keep` accepts; returns how many were dropped.
         Resume uses it to drop the records of a unit of work (a candidate batch) that a kill left unfinished."""
-        records = list(self._read(repair=True))
+        records = list(self._read())
         kept = [r for r in records if keep(r)]
         if len(kept) < len(records):
             write_jsonl(self.path, kept)
@@ -138,10 +272,14 @@ class RecordLog:
                 self._ids.add(r["id"])
                 fresh.append(r)
         if fresh:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in fresh))
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in fresh))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:  # e.g. disk full: what reached the file is at worst a torn last line
+                self._ids -= {r["id"] for r in fresh}
+                raise _named(exc, self.path) from exc
         return len(fresh)
 
 
@@ -159,13 +297,33 @@ class Stage:
     def records(self, name: str) -> RecordLog:
         return RecordLog(self.path / f"{name}.jsonl")
 
-    def mark_done(self, summary: dict[str, Any] | None = None) -> None:
-        atomic_write_json(self.path / "DONE", summary or {})
+    def mark_done(self, summary: dict[str, Any] | None = None, saved: str | os.PathLike | None = None) -> None:
+        """Write the DONE sentinel; with `saved` (the stage's adapter/ or model/ folder) it records the sha256
+        of every file in it, which `verify` checks before the weights are trusted."""
+        summary = dict(summary or {})
+        if saved is not None:
+            summary["checksums"] = folder_checksums(saved, relative_to=self.path)
+        atomic_write_json(self.path / "DONE", summary)
 
     @property
     def summary(self) -> dict[str, Any]:
         """What `mark_done` recorded ({} while the stage is not done)."""
-        return json.loads((self.path / "DONE").read_text()) if self.done else {}
+        if not self.done:
+            return {}
+        return read_json(self.path / "DONE", f"delete it to redo the stage ({self.path})")
+
+    def verify(self) -> list[str]:
+        """Check the saved weights against the checksums of DONE; returns the files checked. Raises RunError
+        naming the file, the expected and actual checksum and the remedy."""
+        checksums = self.summary.get("checksums") or {}
+        for name, expected in checksums.items():
+            file = self.path / name
+            actual = sha256_file(file) if file.is_file() else "missing"
+            if actual != expected:
+                raise RunError(f"{file}: checksum {actual[:16]} does not match {expected[:16]} recorded in "
+                               f"{self.path / 'DONE'} (the file was damaged after it was saved): delete "
+                               f"{self.path / 'DONE'} to redo this stage")
+        return sorted(checksums)
 
     def reset(self) -> None:
         """Remove everything an unfinished attempt left, so the stage restarts from its own start."""
@@ -173,6 +331,59 @@ class Stage:
             raise RuntimeError(f"{self.path}: refusing to reset a finished stage")
         for child in self.path.iterdir():
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def folder_checksums(folder: str | os.PathLike, relative_to: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every file under `folder`, keyed by its path relative to `relative_to`."""
+    return {str(f.relative_to(relative_to)): sha256_file(f) for f in sorted(Path(folder).rglob("*")) if f.is_file()}
+
+
+def load_weights(file: str | os.PathLike) -> dict[str, Any]:
+    """The tensors of a .safetensors file, checked: a file that does not parse (truncated, damaged header) or
+    holds a NaN/inf raises RunError naming it (torch and safetensors are imported here, on first use)."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = Path(file)
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise RunError(f"{file} cannot be read ({exc}): it is damaged or truncated; delete the DONE of its stage "
+                       f"({file.parent.parent / 'DONE'}) to redo that stage") from None
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise RunError(f"{file}: {len(bad)} tensor(s) hold NaN or inf (e.g. {bad[0]}): delete the DONE of its "
+                       f"stage ({file.parent.parent / 'DONE'}) to redo that stage")
+    return tensors
+
+
+def verify_run(run_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Check every saved checkpoint of a run (`scope runs verify`): the checksums of each finished stage's DONE
+    and that its weights load and are finite. Returns (stage, "ok: N files" or the problem) per stage."""
+    results = []
+    for done in sorted(Path(run_dir).glob("iter_*/*/DONE")):
+        stage = Stage(done.parent)
+        try:
+            files = stage.verify()
+            for name in files:
+                if name.endswith(".safetensors"):
+                    load_weights(stage.path / name)
+            if not files and any((stage.path / d).is_dir() for d in ("adapter", "model")):
+                results.append((stage.path, "unverified: DONE has no checksums (written by an older version)"))
+                continue
+            results.append((stage.path, f"ok: {len(files)} file(s)" if files else "ok: no weights"))
+        except RunError as exc:
+            results.append((stage.path, f"FAIL: {exc}"))
+    return results
 
 
 def iteration_dir(run_dir: str | os.PathLike, iteration: int) -> Path:
@@ -223,7 +434,7 @@ def write_manifest(run_dir: str | os.PathLike, params_yaml: str, science: str | 
     path = run_dir / "manifest.json"
     digest = params_hash(params_yaml if science is None else science)
     if path.is_file():
-        previous = json.loads(path.read_text())
+        previous = read_json(path, "it is rewritten from params.yaml: delete it and start the same command again")
         if previous.get("params_hash") not in (None, digest):
             raise RuntimeError(
                 f"{run_dir} was started with other parameters (params hash {previous['params_hash'][:12]} vs "

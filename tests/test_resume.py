@@ -146,3 +146,35 @@ def test_kill_during_solver_training_then_resume(tmp_path, wiki_sample, tiny_mod
     a = load_file(str(mine / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(theirs / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)   # the same Solver S_1
+
+
+MID_STAGE = {**TOKENS, "selfplay.steps_per_role": 3, "selfplay.max_candidate_batches": 2, "run.checkpoint_steps": 1}
+
+
+@pytest.mark.slow
+def test_kill_at_step_k_of_a_grpo_stage_resumes_at_step_k_with_the_same_adapter(tmp_path, wiki_sample,
+                                                                                  tiny_model_dir, cache_env):
+    """run.checkpoint_steps: a Solver stage killed (SIGKILL) after a checkpoint resumes at that step, with the
+    optimiser, scheduler and RNG restored, and ends with the uninterrupted run's adapter, bit for bit."""
+    def after_a_checkpoint(run_dir):
+        solver = run_dir / "iter_01" / "solver"
+        return any((c / "scope_checkpoint.json").is_file() for c in (solver / "trainer").glob("checkpoint-*")) \
+            and not (solver / "DONE").exists()
+
+    resumed, clean = resumed_and_uninterrupted(tmp_path, wiki_sample, tiny_model_dir, cache_env, MID_STAGE,
+                                               pool=True, kill_on=after_a_checkpoint)
+    log = (tmp_path / "killed" / "resumed.log").read_text()
+    assert "solver: resuming at step" in log and "optimiser, scheduler and RNG restored" in log, log[-3000:]
+    assert "restarts from its first step" not in log
+    mine, theirs = resumed / "iter_01" / "solver", clean / "iter_01" / "solver"
+    ids = [r["id"] for r in read_jsonl(mine / "rollouts.jsonl")]
+    assert len(ids) == len(set(ids)) == MID_STAGE["selfplay.steps_per_role"] * 4
+    assert comparable(mine / "rollouts.jsonl") == comparable(theirs / "rollouts.jsonl")
+    metrics = [(m["id"], m["reward"], m["loss"]) for m in comparable(mine / "metrics.jsonl")]
+    assert metrics == [(m["id"], m["reward"], m["loss"]) for m in comparable(theirs / "metrics.jsonl")]
+    from safetensors.torch import load_file
+
+    a = load_file(str(mine / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(theirs / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical S_1
+    assert not (mine / "trainer").exists()  # checkpoints are scratch: gone once the stage is DONE

@@ -380,6 +380,7 @@ def test_check_fails_on_an_empty_index(hashing_indexes, tmp_path, wiki_sample):
     rows = {r.name: r.passed for r in report.rows}
     assert not report.passed and rows["passages"] is False and rows["canaries"] is False
     assert "the index is EMPTY" in report.table() and rows["fingerprint"] is None
+    assert rows["results"] is None and "not checked: the index is empty" in report.table()  # no pass beside it
 
 
 @pytest.mark.parametrize("name", ["chroma", "faiss"])

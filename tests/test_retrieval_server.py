@@ -297,3 +297,82 @@ def test_scope_serve_retrieval_serves_a_faiss_index(wiki_sample, tmp_path):
         hits = client.search(["Horse Mesa Dam Apache Lake"], 2)
         assert hits[0][0].id == "14" and len(hits[0]) == 2
         assert client.health()["index"].startswith("faiss Flat (exact): 200 passages")
+
+
+# -- one client cannot stall the others (issue 21) --------------------------------------------------------------
+
+
+class _CostPerCharacter:
+    """An index whose search costs time per character of its queries (as an embedder does), each query's hit
+    named after the query, so a request's answers can be checked in order."""
+
+    def __init__(self, seconds_per_char: float):
+        self.seconds_per_char, self.calls = seconds_per_char, []
+
+    def search(self, queries, k=None):
+        self.calls.append(len(queries))
+        time.sleep(self.seconds_per_char * sum(len(q) for q in queries))
+        return [[Hit(q[:12], "t", "x", 1.0)] for q in queries]
+
+
+def test_a_one_query_client_is_not_stalled_by_a_maximal_batch():
+    from concurrent.futures import ThreadPoolExecutor
+
+    index = _CostPerCharacter(2e-5)  # the maximal batch below is ~2.4 s of index work in all
+    big = [f"{i:05d}" + "w" * 1995 for i in range(60)]  # 60 queries x 2,000 characters: the work bound
+    with background_server(index, max_request_chars=120_000, slice_target_s=0.1) as url:
+        with ThreadPoolExecutor(2) as pool:
+            started = time.monotonic()
+            batch = pool.submit(httpx.post, f"{url}/retrieve", json={"queries": big, "topk": 1}, timeout=60)
+            time.sleep(0.3)  # the batch is running now
+            asked = time.monotonic()
+            one = httpx.post(f"{url}/retrieve", json={"queries": ["00001 lonely"], "topk": 1}, timeout=60)
+            one_latency = time.monotonic() - asked
+            response = batch.result()
+            batch_s = time.monotonic() - started
+        over = httpx.post(f"{url}/retrieve", json={"queries": big + ["x" * 200]}, timeout=60)
+    assert one.status_code == 200 and one.json()["result"][0][0]["document"]["id"] == "00001 lonely"
+    assert response.status_code == 200
+    assert [row[0]["document"]["id"] for row in response.json()["result"]] == [q[:12] for q in big]
+    assert batch_s > 2.0 and one_latency < 1.0, (one_latency, batch_s)  # it waited for one slice, not the batch
+    assert len(index.calls) > 5  # the batch ran in slices
+    assert over.status_code == 413 and "characters of queries" in over.json()["detail"]
+
+
+def test_errors_echo_a_short_prefix_and_bodies_have_a_size_limit(server):
+    response = httpx.post(f"{server}/retrieve", json={"queries": [{"q": "z" * 5_000}] * 1000})
+    assert response.status_code == 422 and len(response.content) < 20_000, len(response.content)
+    response = httpx.post(f"{server}/retrieve", json={"queries": ["z" * 100_000]})
+    assert response.status_code == 422 and len(response.content) < 2_000, len(response.content)
+    body = b'{"queries": ["' + b"a" * (9 * 1024 * 1024) + b'"]}'
+    response = httpx.post(f"{server}/retrieve", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "at most" in response.json()["detail"]
+
+    def chunks():
+        yield b'{"queries": ["a"]}'
+
+    response = httpx.post(f"{server}/retrieve", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 411
+
+
+def test_health_reports_a_stalled_batcher():
+    import threading
+
+    release = threading.Event()
+
+    class Stuck:
+        def search(self, queries, k=None):
+            release.wait(30)
+            return [[] for _ in queries]
+
+    with background_server(Stuck(), stall_s=0.3) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        thread = threading.Thread(target=httpx.post, args=(f"{url}/retrieve",), kwargs={
+            "json": {"queries": ["a"]}, "timeout": 30})
+        thread.start()
+        time.sleep(0.6)
+        health = httpx.get(f"{url}/health")
+        release.set()
+        thread.join()
+        assert health.status_code == 503 and "stalled" in health.json()["detail"]
+        assert httpx.get(f"{url}/health").status_code == 200

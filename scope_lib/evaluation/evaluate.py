@@ -24,7 +24,6 @@ Layout, under runs/<name>/eval/:
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import warnings
@@ -59,7 +58,7 @@ from scope_lib.models.vllm_engine import VLLMEngine
 from scope_lib.protocol import parsing
 from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.index import open_retriever
-from scope_lib.runs import RecordLog, atomic_write_json, write_jsonl
+from scope_lib.runs import RecordLog, Stage, atomic_write_json, load_weights, read_json, write_jsonl
 from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, new_trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
@@ -148,6 +147,8 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
     --lora-modules iter_03-solver=runs/<run>/iter_03/solver/adapter`).
     Full-model checkpoints get their own engine (hf, vllm) or are served under their name (openai)."""
     resolved = [c if isinstance(c, Checkpoint) else resolve_checkpoint(params, c) for c in checkpoints]
+    for ck in resolved:
+        verify_checkpoint(ck)
     base = engine or make_engine(params, "policy")
     backend = params.engine.backend
     policies: dict[str, Policy] = {}
@@ -176,6 +177,18 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
             policies[ck.name] = Policy(ck, HFEngine(model, tokenizer, max_model_len=params.model.max_model_len),
                                        None)
     return policies
+
+
+def verify_checkpoint(ck: Checkpoint) -> None:
+    """Before a checkpoint is trusted: the checksums its stage's DONE recorded, and its weights parse and are
+    finite (RunError naming the file and the remedy otherwise)."""
+    if ck.path is None:
+        return
+    stage = Stage(ck.path.parent)
+    if stage.done:
+        stage.verify()
+    for weights in sorted(ck.path.glob("*.safetensors")):
+        load_weights(weights)
 
 
 def base_engine(policies: dict[str, Policy]) -> Engine | None:
@@ -536,7 +549,7 @@ def _write_checkpoint_summary(params: Params, checkpoint: str) -> None:
     folder = eval_dir(params, checkpoint)
     merged = {}
     for path in sorted(folder.glob("*/summary.json")):
-        s = json.loads(path.read_text())
+        s = read_json(path, "delete it; the next `scope eval` rewrites it from the stored records")
         merged[s["benchmark"]] = {n: {k: v[k] for k in ("value", "ci95", "n_scored", "n_invalid_units")}
                                   for n, v in s["scorers"].items()}
     atomic_write_json(folder / "summary.json", {"checkpoint": checkpoint, "benchmarks": merged})
@@ -544,4 +557,5 @@ def _write_checkpoint_summary(params: Params, checkpoint: str) -> None:
 
 def load_summary(params: Params, checkpoint: str, benchmark: str) -> dict[str, Any] | None:
     path = eval_dir(params, checkpoint, benchmark) / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "delete it; the next `scope eval` rewrites it from the stored records") \
+        if path.is_file() else None

@@ -122,14 +122,34 @@ class JudgeCache:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=60)
-        # WAL + NORMAL: a committed reply survives the process being killed; commits do not wait for the disk
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, model TEXT, prompt_version TEXT,"
-                         " sample_index INTEGER, text TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,"
-                         " reasoning_tokens INTEGER, created REAL)")
-        self._db.commit()
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:  # it is only a cache: keep the damaged file for inspection, rebuild
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            log.warning("judge cache %s is damaged (%s): moved to %s and rebuilt empty (replies are asked again)",
+                        self.path, exc, aside)
+            self.path.rename(aside)
+            for suffix in ("-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=60)
+        try:
+            # WAL + NORMAL: a committed reply survives the process being killed; commits do not wait for the disk
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, model TEXT, prompt_version TEXT,"
+                       " sample_index INTEGER, text TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,"
+                       " reasoning_tokens INTEGER, created REAL)")
+            db.commit()
+            problems = db.execute("PRAGMA quick_check").fetchall()
+            if problems != [("ok",)]:
+                raise sqlite3.DatabaseError(f"integrity check: {problems[0][0]}")
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
 
     def get(self, keys: Sequence[str]) -> dict[str, tuple[str, int, int, int]]:
         found: dict[str, tuple[str, int, int, int]] = {}

@@ -204,6 +204,9 @@ def iter_passages(path: str | os.PathLike, on_error: OnError = "raise",
 
 def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw line) for a plain or gzip file; a broken gzip stream is a CorpusError."""
+    if path.is_dir():
+        raise CorpusError(f"{path} is a folder: retrieval.corpus_path must name the corpus file (JSONL, e.g. "
+                          "wiki-18.jsonl)")
     if not path.is_file():
         raise CorpusError(f"{path}: no such corpus file. Run `scope data fetch` to download it. "
                           + _local_files_hint(path.name))

@@ -11,17 +11,26 @@ faiss, bm25). Requests are batched ACROSS clients: one search thread runs the in
 arrives while a search runs joins the next one (one embed + one index call for all of them, each request
 cut back to its own topk), so many training workers share one index without queueing one by one.
 
+Fairness: a request is searched in slices, and every search takes one slice from each waiting request in turn
+(round robin, query by query) up to a budget the batcher sizes to about `SLICE_TARGET_S` of index work. A huge
+request therefore cannot hold the index: a one-query client waits for at most one slice (benchmark:
+benchmarks/retrieval_fairness.py). /health answers 503 "stalled" when one search has run longer than
+`STALL_S` or the search thread died.
+
 Bad requests get a 4xx that says what is wrong (malformed JSON or fields, a non-finite or huge topk, a query
-that is not valid Unicode: 422; more than `max_queries` queries: 413); a failing retriever gets 503 with its
-message; nothing a client sends produces a 500.
+that is not valid Unicode: 422; more than `max_queries` queries, more than `max_request_chars` characters of
+queries or a body over `MAX_BODY_BYTES`: 413; no Content-Length: 411). An error echoes at most
+`ECHO_CHARS` characters of the input. A failing retriever gets 503 with its message; nothing a client sends
+produces a 500.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -48,6 +57,20 @@ MAX_TOPK = 100
 MAX_QUERY_CHARS = 8192
 #: Most queries one merged search may hold (requests beyond it wait for the next search).
 MAX_BATCH_QUERIES = 1024
+#: Most characters of queries one request may carry: its work bound (1,024 sentence-long queries).
+MAX_REQUEST_CHARS = 262_144
+#: Largest request body (JSON escapes can make a body up to ~6x its characters).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Index work per merged search the batcher aims at: what a one-query client waits at most behind others.
+SLICE_TARGET_S = 0.1
+#: Most characters of queries in one merged search, whatever the measured speed: bounds one slice's work when
+#: the index gets slower at once (an embedding cache that stops hitting, a loaded machine) before the batcher
+#: measures it; 16,384 characters keep a rollout batch of short queries in one search.
+MAX_SLICE_CHARS = 16_384
+#: A search running longer than this makes /health answer "stalled".
+STALL_S = 30.0
+#: Characters of a client's input an error message may echo.
+ECHO_CHARS = 80
 
 
 #: A non-blank query (pydantic also rejects a string that is not valid Unicode, e.g. a lone surrogate).
@@ -96,75 +119,180 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-class SearchBatcher:
-    """One search thread over a retriever: requests that arrive while a search runs are merged into the
-    next one (up to `max_batch_queries` queries), searched at their largest topk and cut back to each
-    request's own. If a merged search fails, each request is retried alone, so one bad request cannot fail
-    the others. `requests` / `searches` count what it did."""
+def _short(value: Any) -> Any:
+    """What an error may echo of a client's input: a short prefix, never the whole of a large input."""
+    if isinstance(value, str):
+        return value if len(value) <= ECHO_CHARS else value[:ECHO_CHARS] + f"... ({len(value):,} characters)"
+    if isinstance(value, list | tuple):
+        return f"<a list of {len(value):,} item(s)>" if len(value) > 3 else [_short(v) for v in value]
+    if isinstance(value, dict):
+        return f"<an object with {len(value):,} key(s)>"
+    return value
 
-    def __init__(self, retriever: Retriever, max_batch_queries: int = MAX_BATCH_QUERIES) -> None:
+
+class _Job:
+    """One request inside the batcher: its queries, how many were handed to a search, its results."""
+
+    def __init__(self, queries: list[str], k: int) -> None:
+        self.queries, self.k, self.future = queries, k, Future()
+        self.taken = 0
+        self.results: list[list[Hit] | None] = [None] * len(queries)
+        self.pending = len(queries)
+
+
+class SearchBatcher:
+    """One search thread over a retriever. Every search merges the waiting requests round robin, one query of
+    each in turn, up to a budget of characters sized to about `target_s` of index work (doubled while searches
+    are quicker than half the target, scaled down when slower; at most `MAX_SLICE_CHARS`) and
+    `max_batch_queries`; a request larger than
+    that is finished over several searches, so no request waits behind a large one for more than about one
+    slice. A merged search runs at the largest topk and each request is cut back to its own. If a merged search
+    fails, each request's slice is retried alone, so one bad request cannot fail the others. `requests` /
+    `searches` count what it did; `busy_for` says how long the running search has taken."""
+
+    def __init__(self, retriever: Retriever, max_batch_queries: int = MAX_BATCH_QUERIES,
+                 target_s: float = SLICE_TARGET_S) -> None:
         self.retriever = retriever
         self.max_batch_queries = max_batch_queries
+        self.target_s = target_s
+        self.budget_chars = 2048  # grows with the measured speed of the index
         self.requests = 0
         self.searches = 0
-        self._queue: queue.Queue[tuple[list[str], int, Future] | None] = queue.Queue()
+        self._jobs: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy_since: float | None = None
         self._thread = threading.Thread(target=self._run, name="scope-search", daemon=True)
         self._thread.start()
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        future: Future = Future()
-        self._queue.put((queries, k, future))
-        return future.result()
+        job = _Job(list(queries), k)
+        if not job.queries:
+            return []
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify()
+        return job.future.result()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def busy_for(self) -> float:
+        """Seconds the running search has taken (0 when idle)."""
+        since = self._busy_since
+        return time.monotonic() - since if since is not None else 0.0
 
     def close(self) -> None:
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         self._thread.join(timeout=30)
+
+    def _next_batch(self) -> list[tuple[_Job, int, int]]:
+        """(job, start, end) slices of the waiting requests, round robin, within the budget (lock held)."""
+        slices: dict[_Job, list[int]] = {}
+        chars = queries = 0
+        while self._jobs and queries < self.max_batch_queries and (chars < self.budget_chars or not queries):
+            job = self._jobs.popleft()
+            i = job.taken
+            job.taken += 1
+            chars += len(job.queries[i])
+            queries += 1
+            slices.setdefault(job, [i, i])[1] = i + 1
+            if job.taken < len(job.queries):
+                self._jobs.append(job)
+        return [(job, start, end) for job, (start, end) in slices.items()]
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            size = len(first[0])
-            while size < self.max_batch_queries:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)  # stop after this batch
-                    break
-                batch.append(item)
-                size += len(item[0])
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._jobs:
+                    return
+                batch = self._next_batch()
             self._search(batch)
 
-    def _search(self, batch: list[tuple[list[str], int, Future]]) -> None:
-        self.requests += len(batch)
-        k = max(k for _, k, _ in batch)
+    def _search(self, batch: list[tuple[_Job, int, int]]) -> None:
+        k = max(job.k for job, _, _ in batch)
+        queries = [q for job, start, end in batch for q in job.queries[start:end]]
+        self._busy_since = started = time.monotonic()
         try:
             self.searches += 1
-            hits = self.retriever.search([q for queries, _, _ in batch for q in queries], k)
+            hits = self.retriever.search(queries, k)
         except Exception as exc:
+            self._busy_since = None
             if len(batch) == 1:
-                batch[0][2].set_exception(exc)
+                self._fail(batch[0][0], exc)
                 return
-            self.requests -= len(batch)
-            for item in batch:  # find the request that failed; the others still get their answer
-                self._search([item])
+            for piece in batch:  # find the request that failed; the others still get their answer
+                if not piece[0].future.done():
+                    self._search([piece])
             return
-        start = 0
-        for queries, own_k, future in batch:
-            future.set_result([found[:own_k] for found in hits[start:start + len(queries)]])
-            start += len(queries)
+        self._busy_since = None
+        self._adapt(time.monotonic() - started, sum(len(q) for q in queries))
+        at = 0
+        for job, start, end in batch:
+            if job.future.done():  # failed in an earlier slice
+                continue
+            for i in range(start, end):
+                job.results[i] = hits[at + i - start][:job.k]
+            at += end - start
+            job.pending -= end - start
+            if job.pending == 0:
+                self.requests += 1
+                job.future.set_result(job.results)
+
+    def _adapt(self, elapsed: float, chars: int) -> None:
+        if chars < self.budget_chars:
+            return  # a small batch says little about the index's speed
+        if elapsed < self.target_s / 2:
+            self.budget_chars = min(self.budget_chars * 2, MAX_SLICE_CHARS)
+        elif elapsed > self.target_s:
+            self.budget_chars = max(256, int(self.budget_chars * self.target_s / elapsed))
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        with self._cond:
+            if job in self._jobs:
+                self._jobs.remove(job)
+        self.requests += 1
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+
+class BodyLimit:
+    """ASGI middleware: a POST body must state its length (411 otherwise) and stay within `limit` bytes (413),
+    checked before any of it is read."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length")
+            status, detail = None, None
+            if length is None or not length.isdigit():
+                status, detail = 411, "send the body with a Content-Length header"
+            elif int(length) > self.limit:
+                status, detail = 413, (f"a body of {int(length):,} bytes; at most {self.limit:,}: split the batch")
+            if status is not None:
+                await JSONResponse(status_code=status, content={"detail": detail})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(retriever: Retriever, *, default_topk: int = 3, max_queries: int = MAX_QUERIES,
-               embedder: str | None = None, max_batch_queries: int = MAX_BATCH_QUERIES) -> FastAPI:
+               embedder: str | None = None, max_batch_queries: int = MAX_BATCH_QUERIES,
+               max_request_chars: int = MAX_REQUEST_CHARS, max_body_bytes: int = MAX_BODY_BYTES,
+               slice_target_s: float = SLICE_TARGET_S, stall_s: float = STALL_S) -> FastAPI:
     """The FastAPI app serving `retriever`. `embedder` names it in /health (default: the retriever's own
     description, when it has one)."""
     app = FastAPI(title="SCOPE retrieval", description="Search-R1 compatible /retrieve over a Retriever")
-    batcher = SearchBatcher(retriever, max_batch_queries)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    batcher = SearchBatcher(retriever, max_batch_queries, slice_target_s)
     app.state.batcher = batcher
     if embedder is None:
         inner = getattr(retriever, "embedder", None)
@@ -173,19 +301,24 @@ def create_app(retriever: Retriever, *, default_topk: int = 3, max_queries: int 
 
     @app.exception_handler(RequestValidationError)
     def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(status_code=422, content=_json_safe(jsonable_encoder({"detail": exc.errors()})))
+        errors = [{**e, "input": _short(e.get("input"))} if "input" in e else e for e in exc.errors()]
+        return JSONResponse(status_code=422, content=_json_safe(jsonable_encoder({"detail": errors[:10]})))
 
     @app.post("/retrieve", response_model=RetrieveResponse)
     def retrieve(request: RetrieveRequest) -> dict[str, Any]:
         if len(request.queries) > max_queries:
             raise HTTPException(413, f"{len(request.queries)} queries in one request; at most {max_queries}: "
                                      "split the batch")
+        chars = sum(len(q) for q in request.queries)
+        if chars > max_request_chars:
+            raise HTTPException(413, f"{chars:,} characters of queries in one request; at most "
+                                     f"{max_request_chars:,}: split the batch")
         k = request.topk or default_topk
         try:
             hits = batcher.search(list(request.queries), k)
         except Exception as exc:  # the index or the embedder failed: the client may retry
             log.exception("retrieval failed for %d queries", len(request.queries))
-            raise HTTPException(503, _json_safe(f"retrieval failed: {type(exc).__name__}: {exc}")) from exc
+            raise HTTPException(503, _json_safe(_short(f"retrieval failed: {type(exc).__name__}: {exc}"))) from exc
         if request.return_scores:
             return {"result": [[{"document": _document(h), "score": h.score} for h in found] for found in hits]}
         return {"result": [[_document(h) for h in found] for found in hits]}
@@ -197,8 +330,13 @@ def create_app(retriever: Retriever, *, default_topk: int = 3, max_queries: int 
             documents = count() if callable(count) else None
         except Exception as exc:
             raise HTTPException(503, f"index unavailable: {type(exc).__name__}: {exc}") from exc
+        busy = batcher.busy_for
+        if not batcher.alive or busy > stall_s:
+            why = "the search thread died" if not batcher.alive else f"one search has run for {busy:.0f} s"
+            raise HTTPException(503, f"stalled: {why}; restart `scope serve retrieval`")
         body: dict[str, Any] = {"status": "ok", "documents": documents, "embedder": embedder,
-                                "requests": batcher.requests, "searches": batcher.searches}
+                                "requests": batcher.requests, "searches": batcher.searches,
+                                "busy_s": round(busy, 3)}
         if hasattr(retriever, "describe"):
             body["index"] = retriever.describe()
         if isinstance(getattr(retriever, "fingerprint", None), dict):
@@ -222,7 +360,7 @@ def serve(params: Params, host: str = "127.0.0.1", port: int = 8000, *, force: b
 @contextmanager
 def background_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
                       default_topk: int = 3, timeout_s: float = 30.0,
-                      max_queries: int = MAX_QUERIES) -> Iterator[str]:
+                      max_queries: int = MAX_QUERIES, **app_options: Any) -> Iterator[str]:
     """Serve `retriever` from a thread for the duration of a `with` block; yields the base URL. Port 0
     picks a free port. For notebooks and tests; `serve` is the long-running command."""
     import socket
@@ -234,7 +372,7 @@ def background_server(retriever: Retriever, host: str = "127.0.0.1", port: int =
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-    app = create_app(retriever, default_topk=default_topk, max_queries=max_queries)
+    app = create_app(retriever, default_topk=default_topk, max_queries=max_queries, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -73,24 +73,34 @@ def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def report(alarm: dict[str, Any], run_dir: str | os.PathLike) -> None:
-    """Log the alarm loudly and append it to <run>/health.jsonl."""
+def alarm_key(alarm: dict[str, Any]) -> tuple:
+    """What makes an alarm one alarm: (iteration, stage, step, alarm). A resumed run that re-checks a step
+    finds the same key and does not add it again."""
+    return (alarm.get("iteration"), alarm.get("role"), alarm.get("step"), alarm.get("alarm"))
+
+
+def report(alarm: dict[str, Any], run_dir: str | os.PathLike) -> bool:
+    """Log the alarm loudly and append it to <run>/health.jsonl, once per `alarm_key` however many times the
+    run is resumed. Returns False for an alarm already recorded."""
+    path = Path(run_dir) / "health.jsonl"
+    if alarm_key(alarm) in {alarm_key(a) for a in read_alarms(run_dir)}:
+        return False
     log.warning("HEALTH ALARM %s (%s, iteration %s, step %s): %s", alarm["alarm"], alarm.get("role"),
                 alarm.get("iteration"), alarm.get("step"), alarm["message"])
-    path = Path(run_dir) / "health.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({**alarm, "time": time.time()}, default=str) + "\n")
+    return True
 
 
 def read_alarms(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The run's alarms, one per `alarm_key` (a file written before alarms were de-duplicated may repeat)."""
+    from scope_lib.runs import read_jsonl
+
     path = Path(run_dir) / "health.jsonl"
     if not path.is_file():
         return []
-    alarms = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            alarms.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a kill
-    return alarms
+    alarms: dict[tuple, dict[str, Any]] = {}
+    for alarm in read_jsonl(path):
+        alarms.setdefault(alarm_key(alarm), alarm)
+    return list(alarms.values())

@@ -6,9 +6,10 @@ runs/<name>/iter_NN/challenger/  rollouts, solver_rollouts, metrics, adapter (or
 runs/<name>/iter_NN/pool/        candidates, chunks, tasks, DONE                                 Stage 2
 runs/<name>/iter_NN/solver/      rollouts, metrics, adapter (or model), DONE                     Stage 3
 
-A finished stage (DONE) is skipped. A training stage that was interrupted restarts from its own start: its
-folder is cleared and the role's weights are those of the last finished stage (loaded from disk in a new
-process). The task pool resumes batch by batch: a candidate batch counts once its marker is in
+A finished stage (DONE) is skipped. A training stage that was interrupted resumes from its newest mid-stage
+checkpoint when `run.checkpoint_steps` is set (scope_lib.selfplay.checkpoints); otherwise it restarts from its
+own start (a log line says how many finished steps that discards): its folder is cleared and the role's
+weights are those of the last finished stage (loaded from disk in a new process). The task pool resumes batch by batch: a candidate batch counts once its marker is in
 chunks.jsonl; records of an unfinished batch are dropped and the batch is redone, so nothing is lost or
 duplicated. Every stage has its own seed, so a resumed run writes the same records as an uninterrupted one.
 """
@@ -29,6 +30,7 @@ from scope_lib.retrieval.corpus import document_range, read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import Stage, iteration_dir, write_manifest
 from scope_lib.selfplay import health
+from scope_lib.selfplay.checkpoints import latest_checkpoint
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
 from scope_lib.selfplay.rollout import (
@@ -132,6 +134,7 @@ def _restore_roles(run: SelfPlayRun) -> None:
             stage = run.stage(t, role)
             saved = [stage.path / name for name in ("adapter", "model") if (stage.path / name).is_dir()]
             if stage.done and saved:
+                stage.verify()  # checksums of DONE; load_role checks the tensors parse and are finite
                 run.policy.load_role(role, saved[0])
                 break
 
@@ -190,7 +193,7 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
                    "note": "selfplay.co_evolution is false: the Challenger stays at its iteration-1 checkpoint"}
         stage.mark_done(summary)
         return summary
-    stage.reset()
+    restart_or_resume(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # S_{t-1} estimates the difficulty (the Challenger syncs itself)
     seed = stage_seed(r.params, t, "challenger")
     documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed)
@@ -201,8 +204,23 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
                "documents": [start, start + len(documents)], "saved": result.saved.name,
                "reward": [m.get("reward") for m in result.metrics]}
-    stage.mark_done(summary)
+    stage.mark_done(summary, saved=result.saved)
     return summary
+
+
+def restart_or_resume(r: SelfPlayRun, t: int, stage) -> None:
+    """Before a training stage: keep what an interrupted attempt left when it has a complete mid-stage checkpoint
+    (`run.checkpoint_steps`; train_role resumes from it), otherwise clear the folder, saying how many finished
+    steps are discarded."""
+    if r.params.run.checkpoint_steps and latest_checkpoint(stage.path / "trainer") is not None:
+        return
+    metrics = stage.path / "metrics.jsonl"
+    finished = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+    if finished:
+        log.warning("iteration %d %s: an interrupted attempt finished %d step(s) but left no mid-stage checkpoint: "
+                    "the stage restarts from its first step (set run.checkpoint_steps to resume mid-stage)", t,
+                    stage.path.name, finished)
+    stage.reset()
 
 
 def build_pool(r: SelfPlayRun, t: int) -> dict:
@@ -216,18 +234,21 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
         return stage.summary
     p, sp = r.params, r.params.selfplay
     candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
-    finished = {c["chunk"] for c in chunks}
-    candidates.retain(lambda rec: rec["chunk"] in finished)  # drop a batch a kill left half-written
+    finished = finished_chunks(candidates, chunks, tasks)
+    candidates.retain(lambda rec: rec["chunk"] in finished)  # drop a batch a kill (or damage) left incomplete
     tasks.retain(lambda rec: rec["chunk"] in finished)
     first = r.stage(t, "challenger").summary["documents"][1]  # right after Stage 1's documents
     publish_roles(r, t, "pool", ("challenger", "solver"))    # C_t writes, S_{t-1} estimates the difficulty
     seed, size = stage_seed(p, t, "pool"), sp.candidate_batch_size
-    k = len(finished)
     available = max(0, (len(r.passages) - first) // size)  # whole batches of unused documents
     limit = min(available, sp.max_candidate_batches) if sp.max_candidate_batches else available
+    holes = sorted(set(range(max(finished, default=-1))) - finished)  # batches a damaged record took back
+    k = max(finished, default=-1) + 1
     bar = tqdm(total=sp.target_tasks, initial=min(len(tasks), sp.target_tasks), desc=f"iteration {t} task pool",
                unit="task", leave=False)
-    while len(tasks) < sp.target_tasks and k < limit:
+    while holes or (len(tasks) < sp.target_tasks and k < limit):
+        hole = holes.pop(0) if holes else None
+        k, resume_k = (hole, k) if hole is not None else (k, None)
         started, judge_before = time.perf_counter(), r.judge.stats.totals()
         documents = document_range(r.passages, first + k * size, size, sp.seed)
         prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed * 1000 + k,
@@ -242,7 +263,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
             retriever=r.retriever, dialect=r.dialect, n_solver=sp.solver_rollouts_filter, solver_adapter="solver",
             filtering=True, grading_temperature=p.judge.difficulty_grading_temperature, seed=seed * 1000 + 500 + k)
         kept = filter_tasks(evals, sp.difficulty_window, sp.tasks_per_document)
-        room = sp.target_tasks - len(tasks)
+        room = sp.target_tasks - sum(1 for rec in tasks if rec["chunk"] < k)  # as when batch k first ran
         kept_ids = {e.challenger_id for e in kept[:room]}
         traj_by_id = {q.id: q for q in trajectories}
         candidates.append({"id": e.challenger_id, "chunk": k, "iteration": t, "kept": e.challenger_id in kept_ids,
@@ -263,7 +284,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
                         "time_retrieval_s": written.retrieval_s + solved.retrieval_s,
                         "time_judge_s": judge_after["seconds"] - judge_before["seconds"]}])
         bar.update(len(kept_ids))
-        k += 1
+        k = resume_k if resume_k is not None else k + 1
     bar.close()
     summary = {"tasks": len(tasks), "candidates": len(candidates), "chunks": k,
                "documents": [first, first + k * size],
@@ -278,12 +299,35 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
     return summary
 
 
+def finished_chunks(candidates, chunks, tasks) -> set[int]:
+    """The candidate batches of the task pool that are complete on disk: a marker in chunks.jsonl whose
+    candidate and task counts match the records really there. A batch whose records were lost (a damaged line
+    moved aside) loses its marker and is redone."""
+    have_candidates: dict[int, int] = {}
+    have_tasks: dict[int, int] = {}
+    for rec in candidates:
+        have_candidates[rec["chunk"]] = have_candidates.get(rec["chunk"], 0) + 1
+    for rec in tasks:
+        have_tasks[rec["chunk"]] = have_tasks.get(rec["chunk"], 0) + 1
+    finished = set()
+    for marker in chunks:
+        k = marker["chunk"]
+        if have_candidates.get(k, 0) == marker["candidates"] and have_tasks.get(k, 0) == marker["kept"]:
+            finished.add(k)
+        else:
+            log.warning("%s: batch %d has %d of %d candidates and %d of %d tasks on disk: it is redone",
+                        chunks.path, k, have_candidates.get(k, 0), marker["candidates"], have_tasks.get(k, 0),
+                        marker["kept"])
+    chunks.retain(lambda marker: marker["chunk"] in finished)
+    return finished
+
+
 def train_solver(r: SelfPlayRun, t: int) -> dict:
     """Stage 3 (Algorithm 1 lines 28-33): GRPO on R_S over iteration t's task pool."""
     stage = r.stage(t, "solver")
     if stage.done:
         return stage.summary
-    stage.reset()
+    restart_or_resume(r, t, stage)
     pool = {rec["id"]: TaskEvaluation.from_record(rec) for rec in r.stage(t, "pool").records("tasks")}
     if not pool:
         summary = {"skipped": "empty task pool", "steps": 0,
@@ -295,5 +339,5 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "tasks": len(pool),
                "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
                "rubric_score": [m.get("rubric_score") for m in result.metrics]}
-    stage.mark_done(summary)
+    stage.mark_done(summary, saved=result.saved)
     return summary

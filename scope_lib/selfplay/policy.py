@@ -20,6 +20,7 @@ from scope_lib.models.engine import Completion, Engine, Sampling  # noqa: E402
 from scope_lib.models.hf_engine import HFEngine  # noqa: E402
 from scope_lib.models.loading import add_role_adapters, load_training_model
 from scope_lib.models.openai_engine import OpenAIEngine
+from scope_lib.runs import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -122,18 +123,19 @@ class Policy:
         folder = Path(folder)
         if self.finetuning == "lora":
             from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
             weights = folder / "adapter_model.safetensors"
             if not weights.is_file():
                 raise FileNotFoundError(f"{folder}: no adapter_model.safetensors (saved with Policy.save?)")
-            result = set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=role)
+            result = set_peft_model_state_dict(self.model, load_weights(weights), adapter_name=role)
             unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
             if unexpected:
                 raise ValueError(f"{folder}: adapter weights do not fit this model ({unexpected[:3]} ...)")
         else:
             from transformers import AutoModelForCausalLM
 
+            for weights in sorted(folder.glob("*.safetensors")):
+                load_weights(weights)  # names a damaged file instead of failing inside transformers
             loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=next(self.base.parameters()).dtype)
             self.models[role].load_state_dict(loaded.state_dict())
         log.info("loaded %s from %s", role, folder)

@@ -8,8 +8,9 @@
   paper's): a copy of M0 per role, a frozen M0 as Judge and reference. Either way `policy.engine` generates for
   a role with `adapter="challenger"` / `"solver"` and for the Judge with `adapter=None`.
 - One fresh `GRPOTrainer` per role per stage; the policy's weights carry over in memory and are saved by us to
-  `iter_NN/<role>/adapter` (or `model`). TRL's `resume_from_checkpoint` is never used: it reloads every adapter
-  folder of a checkpoint and would overwrite the other role.
+  `iter_NN/<role>/adapter` (or `model`). With `run.checkpoint_steps`, transformers' checkpoints resume a killed
+  stage mid-way (`scope_lib.selfplay.checkpoints`), with the weights saved and loaded by us: transformers' own
+  loading reloads every adapter folder of a checkpoint and would overwrite the other role.
 - The trainer is built with beta = 0 and given beta afterwards: with named adapters TRL otherwise looks for an
   adapter called "default" and, for one with that name, measures KL against a copy of it, not against M0.
 - `rollout_func` drives `scope_lib.selfplay.rollout.run_rollouts`: TRL hands it every prompt G times; it returns one row
@@ -46,6 +47,7 @@ from scope_lib.protocol import rewards  # noqa: E402
 from scope_lib.protocol.dialects import Dialect  # noqa: E402
 from scope_lib.runs import Stage  # noqa: E402
 from scope_lib.selfplay import health  # noqa: E402
+from scope_lib.selfplay.checkpoints import checkpoint_step, latest_checkpoint, marker_callback, role_folder
 from scope_lib.selfplay.judge import Judge  # noqa: E402
 from scope_lib.selfplay.policy import AdapterSync, Policy, check_role, serves_adapters
 from scope_lib.selfplay.rollout import (
@@ -161,8 +163,11 @@ def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.Path
             f"{role}.batch_size x grpo.group_size = {r.batch_size} x {g.group_size} = {rows} rollouts per step must "
             f"divide evenly over grpo.per_device_batch_size ({per_device}) x {world} device(s); change one of them")
     on_gpu = torch.cuda.is_available() and params.engine.device != "cpu"
+    every = params.run.checkpoint_steps * g.num_epochs  # a checkpoint falls between two generation batches
+    saving = {"save_strategy": "steps", "save_steps": every, "save_total_limit": 2} if every else {
+        "save_strategy": "no"}
     return GRPOConfig(
-        output_dir=str(output_dir), seed=seed, max_steps=steps, logging_steps=1, save_strategy="no",
+        output_dir=str(output_dir), seed=seed, max_steps=steps, logging_steps=1, **saving,
         report_to=list(g.report_to) or "none", disable_tqdm=True,
         learning_rate=g.learning_rate_for(params.model.finetuning), lr_scheduler_type=g.lr_scheduler,
         warmup_steps=int(g.warmup_ratio * steps),  # verl's floor: 0.03 x 20 steps -> no warmup step
@@ -191,7 +196,17 @@ def _trainer_class():
     from accelerate.utils import gather
     from trl import GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import pad, use_adapter
+    from trl.trainer.utils import RepeatSampler, pad, use_adapter
+
+    class EpochSeededSampler(RepeatSampler):
+        """TRL's sampler, its order a function of (seed, epoch): a resumed stage, which starts at a later epoch
+        without iterating the earlier ones, draws the same prompts as an uninterrupted one (the generator is
+        reseeded and advanced one permutation per earlier epoch, exactly as an uninterrupted run advanced it)."""
+
+        def set_epoch(self, epoch: int) -> None:
+            self.generator.manual_seed(self.seed)
+            for _ in range(epoch):
+                torch.randperm(self.num_samples, generator=self.generator)
 
     class ScopeGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with per-turn datums (App. E): rewards and group advantages are computed over one stub
@@ -200,6 +215,24 @@ def _trainer_class():
 
         per_turn: bool = False
         reference_model = None  # full fine-tuning: the frozen M0
+        scope_policy: Policy | None = None  # checkpoints hold this role's weights only (saved and loaded by us)
+        scope_role: str | None = None
+
+        def save_model(self, output_dir=None, _internal_call=False):
+            if self.scope_policy is None:
+                return super().save_model(output_dir, _internal_call)
+            self.scope_policy.save(self.scope_role, output_dir or self.args.output_dir)
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            if self.scope_policy is None:
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            self.scope_policy.load_role(self.scope_role, role_folder(resume_from_checkpoint))
+
+        def _get_train_sampler(self, dataset=None):
+            sampler = super()._get_train_sampler(dataset)
+            if isinstance(sampler, RepeatSampler) and sampler.shuffle and sampler.seed is not None:
+                sampler.__class__ = EpochSeededSampler
+            return sampler
 
         def _generate_and_score_completions(self, inputs):
             if not self.per_turn:
@@ -625,11 +658,21 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
                     ctx.role, ctx.iteration, len(ids), batch)
         ids = [ids[i % len(ids)] for i in range(batch)]
     args = grpo_args(ctx.params, ctx.role, seed=ctx.seed, output_dir=ctx.stage.path / "trainer")
+    callbacks = [_metrics_callback(session)] + ([marker_callback()] if ctx.params.run.checkpoint_steps else [])
     trainer = make_trainer(ctx.policy, ctx.role, args, dataset_ids=ids, rollout_func=session.rollout_func,
-                           reward_func=session.scope_reward, callbacks=[_metrics_callback(session)],
+                           reward_func=session.scope_reward, callbacks=callbacks,
                            per_turn=session.per_turn, serving=ctx.rollout_engine,
                            sync_folder=ctx.stage.path / "published")
-    trainer.train()
+    trainer.scope_policy, trainer.scope_role = ctx.policy, ctx.role
+    resume = latest_checkpoint(ctx.stage.path / "trainer") if ctx.params.run.checkpoint_steps else None
+    if resume is not None:
+        k = checkpoint_step(resume)
+        dropped = sum(records.retain(lambda rec, k=k: rec.get("step", 0) <= k)
+                      for records in (session.records, session.solver_records, session.metrics) if records is not None)
+        log.warning("iteration %d %s: resuming at step %d of %d from %s (weights, optimiser, scheduler and RNG "
+                    "restored; %d record(s) of later steps dropped and redone)", ctx.iteration, ctx.role, k,
+                    args.max_steps, resume, dropped)
+    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     saved = ctx.policy.save(ctx.role, ctx.stage.path)
     for scratch in ("trainer", "published"):
         shutil.rmtree(ctx.stage.path / scratch, ignore_errors=True)
