@@ -7,6 +7,7 @@ head_dim 64 variant (`tiny_vllm_model_dir`)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def hf_model(tiny_vllm_model_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model_dir, tokenizer):
     """One in-process vLLM engine with LoRA for the module; closing it leaves no shared memory behind."""
+    import llvmlite.binding.ffi  # noqa: F401  (the suite loads it through bm25s -> numba; vLLM must start anyway)
+
     before = shared_memory()
     engine = VLLMEngine(tiny_vllm_model_dir, tokenizer=tokenizer, enable_lora=True, max_loras=2, max_lora_rank=8,
                         max_model_len=512, threads=1, enable_sleep_mode=True)
@@ -45,6 +48,7 @@ def engine(tiny_vllm_model_dir, tokenizer):
     engine.close()
     engine.close()
     assert engine.llm is None and shared_memory() <= before, "vLLM left shared memory behind"
+    assert not torch.distributed.is_initialized() and "llvmlite.binding.ffi" in sys.modules
 
 
 @pytest.fixture(scope="module")

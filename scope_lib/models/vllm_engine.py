@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,21 @@ def _cpu_head_sizes() -> list[int] | None:
         return list(CPUAttentionBackend.get_supported_head_sizes())
     except (ImportError, AttributeError):
         return None
+
+
+#: Modules vLLM 0.31's CPU worker cannot scan: at start it looks through every loaded module for Triton kernels to
+#: replace, and llvmlite's lazy library wrapper (loaded with numba, e.g. by bm25s) answers `vars()` with a
+#: function, which stops the engine with an AttributeError. They are out of `sys.modules` while the engine starts.
+_UNSCANNABLE = ("llvmlite.binding.ffi",)
+
+
+@contextmanager
+def _hidden_from_kernel_scan():
+    hidden = {name: sys.modules.pop(name) for name in _UNSCANNABLE if name in sys.modules}
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 def _checkpoint(model: str | os.PathLike):
@@ -122,6 +139,7 @@ class VLLMEngine:
                  eos_token_ids: Iterable[int] | None = None, enable_sleep_mode: bool = False, llm: Any = None,
                  kv_cache_gib: float | None = None, threads: int | None = None, **llm_kwargs: Any):
         self.on_cpu = False
+        self.owns_llm = llm is None
         self.sleep_mode = enable_sleep_mode or llm is not None  # a given engine (Unsloth's) sleeps if it can
         if llm is None:
             llm = self._build(model, enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
@@ -190,7 +208,7 @@ class VLLMEngine:
         # process-wide: the trainer beside it keeps its own random state and thread control.
         set_threads, state = torch.set_num_threads, (random.getstate(), np.random.get_state())
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), _hidden_from_kernel_scan():
                 return vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
@@ -324,7 +342,8 @@ class VLLMEngine:
         return Completion(token_ids=ids, text=self.tokenizer.decode(ids), logprobs=logprobs, finish_reason=finish)
 
     def close(self) -> None:
-        """Shut the engine down (its engine core, worker processes and their shared memory); idempotent."""
+        """Shut the engine down (its engine core, worker processes, their shared memory and, for an engine built
+        here, vLLM's torch.distributed group); idempotent."""
         llm, self.llm = self.llm, None
         if llm is None:
             return
@@ -332,6 +351,10 @@ class VLLMEngine:
         if core is not None and callable(getattr(core, "shutdown", None)):
             core.shutdown()
         del llm
+        if self.owns_llm:  # in this process vLLM set up torch.distributed (world size 1): take it down too
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
         import gc
 
         gc.collect()
