@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from scope_lib.models.vllm_engine import VLLMEngine, cut_at_stop
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build) or the gpu extra")
 
+REPO = Path(__file__).resolve().parents[1]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -202,3 +204,42 @@ def test_a_stop_seen_one_token_late_is_cut_where_it_completes(tokenizer):
     assert cut_ids == ids[:done] and cut_logprobs == logprobs[:done]
     assert cut_at_stop(ids, logprobs, ("nowhere",), tokenizer.decode) is None
     assert cut_at_stop(ids, None, (stop,), tokenizer.decode)[1] is None
+
+
+def test_openai_engine_loads_adapters_into_a_real_vllm_server(engine, tiny_vllm_model_dir, tokenizer, adapters,
+                                                              tmp_path):
+    """`OpenAIEngine.add_adapter` (runtime LoRA loading, one served name per version) against vLLM's OpenAI
+    server on loopback, started as `scope serve model` starts it (`python -m vllm.entrypoints.openai.api_server`;
+    `vllm serve` fails with the CPU build). Its greedy replies equal the in-process engine's."""
+    from servers import free_port, server_process
+
+    from scope_lib.config import load_params
+    from scope_lib.models.openai_engine import OpenAIEngine
+    from scope_lib.models.vllm_server import server_command
+
+    params = load_params(REPO / "params" / "smoke.yaml", {
+        "model.base": str(tiny_vllm_model_dir), "model.dtype": "float32", "model.max_model_len": 512,
+        "model.tiny.warm_start.enabled": False, "engine.kv_cache_gib": 0.25, "engine.max_loras": 2})
+    port = free_port()
+    argv, env = server_command(params, port=port, cpu=True)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-lora" in argv
+    url = f"http://127.0.0.1:{port}"
+    prompts = chat_prompts(tokenizer)[:2]
+    greedy = Sampling(max_new_tokens=8, temperature=0.0)
+    with server_process(argv, f"{url}/health", tmp_path / "vllm.log", env=env, timeout_s=240):
+        client = OpenAIEngine(url, str(tiny_vllm_model_dir), tokenizer, max_retries=1, backoff_s=0.1,
+                              max_model_len=512)
+        base = client.generate(prompts, greedy)
+        assert client.prompt_format == "tokens" and all(c.logprobs for c in base)   # vLLM takes token ids
+        assert client.add_adapter("solver", adapters["solver"], version=1) == "solver@1"
+        solver = client.generate(prompts, greedy, adapter="solver")
+        assert client.add_adapter("solver", adapters["challenger"], version=2) == "solver@2"   # the old one out
+        swapped = client.generate(prompts, greedy, adapter="solver")
+        client.close()
+    assert [c.token_ids for c in solver] != [c.token_ids for c in base] != [c.token_ids for c in swapped]
+    engine.add_adapter("served-solver", adapters["solver"])
+    engine.add_adapter("served-swap", adapters["challenger"])
+    for served, name in ((base, None), (solver, "served-solver"), (swapped, "served-swap")):
+        assert [c.token_ids for c in served] == [c.token_ids for c in engine.generate(prompts, greedy, adapter=name)]
+    for completion in base + solver + swapped:
+        check_contract(completion, tokenizer, greedy, len(tokenizer))
