@@ -209,7 +209,7 @@ def test_a_stop_seen_one_token_late_is_cut_where_it_completes(tokenizer):
 def test_openai_engine_loads_adapters_into_a_real_vllm_server(engine, tiny_vllm_model_dir, tokenizer, adapters,
                                                               tmp_path):
     """`OpenAIEngine.add_adapter` (runtime LoRA loading, one served name per version) against vLLM's OpenAI
-    server on loopback, started as `scope serve model` starts it (`python -m vllm.entrypoints.openai.api_server`;
+    server on loopback, started by `scope serve model` (as `python -m vllm.entrypoints.openai.api_server`:
     `vllm serve` fails with the CPU build). Its greedy replies equal the in-process engine's."""
     from servers import free_port, server_process
 
@@ -217,16 +217,19 @@ def test_openai_engine_loads_adapters_into_a_real_vllm_server(engine, tiny_vllm_
     from scope_lib.models.openai_engine import OpenAIEngine
     from scope_lib.models.vllm_server import server_command
 
-    params = load_params(REPO / "params" / "smoke.yaml", {
-        "model.base": str(tiny_vllm_model_dir), "model.dtype": "float32", "model.max_model_len": 512,
-        "model.tiny.warm_start.enabled": False, "engine.kv_cache_gib": 0.25, "engine.max_loras": 2})
-    port = free_port()
-    argv, env = server_command(params, port=port, cpu=True)
+    settings = {"model.base": str(tiny_vllm_model_dir), "model.dtype": "float32", "model.max_model_len": 512,
+                "model.tiny.warm_start.enabled": False, "engine.kv_cache_gib": 0.25, "engine.max_loras": 2,
+                "engine.torch_threads": 1}
+    argv, env = server_command(load_params(REPO / "params" / "smoke.yaml", settings), port=8000, cpu=True)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-lora" in argv
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and "--enforce-eager" in argv
+    port = free_port()
+    argv = [sys.executable, "-m", "scope_lib.cli", "serve", "model", "--params", str(REPO / "params" / "smoke.yaml"),
+            "--port", str(port), *[arg for key, value in settings.items() for arg in ("-o", f"{key}={value}")]]
     url = f"http://127.0.0.1:{port}"
     prompts = chat_prompts(tokenizer)[:2]
     greedy = Sampling(max_new_tokens=8, temperature=0.0)
-    with server_process(argv, f"{url}/health", tmp_path / "vllm.log", env=env, timeout_s=240):
+    with server_process(argv, f"{url}/health", tmp_path / "vllm.log", timeout_s=240):
         client = OpenAIEngine(url, str(tiny_vllm_model_dir), tokenizer, max_retries=1, backoff_s=0.1,
                               max_model_len=512)
         base = client.generate(prompts, greedy)
