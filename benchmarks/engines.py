@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--model", type=Path, default=None, help="a local model folder (default: SmolLM2-shaped)")
+    parser.add_argument("--repeats", type=int, default=5, help="overhead and sync: medians over this many tries")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF rollouts (overhead and sync only)")
     args = parser.parse_args()
 
     import torch
@@ -97,11 +100,12 @@ def main() -> None:
     rows = []
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    hf = HFEngine(model, tokenizer)
-    rollouts(hf, tokenizer, prompts[:2], 1, 4, env)   # first-call warm-up, as for vLLM below
-    hf_tokens, hf_s = rollouts(hf, tokenizer, prompts, args.turns, args.new_tokens, env)
-    rows.append(("HF generate", hf_tokens, hf_s))
-    print(f"HF: {hf_tokens} tokens in {hf_s:.1f} s", file=sys.stderr, flush=True)
+    if not args.no_hf:
+        hf = HFEngine(model, tokenizer)
+        rollouts(hf, tokenizer, prompts[:2], 1, 4, env)   # first-call warm-up, as for vLLM below
+        hf_tokens, hf_s = rollouts(hf, tokenizer, prompts, args.turns, args.new_tokens, env)
+        rows.append(("HF generate", hf_tokens, hf_s))
+        print(f"HF: {hf_tokens} tokens in {hf_s:.1f} s", file=sys.stderr, flush=True)
     engine = VLLMEngine(model_dir, tokenizer=tokenizer, enable_lora=True, max_loras=2, max_lora_rank=8,
                         max_model_len=4096, dtype=args.dtype, threads=args.threads, kv_cache_gib=1)
     rollouts(engine, tokenizer, prompts[:2], 1, 4, env)   # first-call warm-up
@@ -109,18 +113,21 @@ def main() -> None:
     rows.append(("vLLM (VLLMEngine)", v_tokens, v_s))
     print(f"vLLM: {v_tokens} tokens in {v_s:.1f} s", file=sys.stderr, flush=True)
 
-    # our overhead: the same first turn through VLLMEngine and through a bare LLM.generate
+    # our overhead: the same first turn through VLLMEngine and through a bare LLM.generate, alternating
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=0.0)
-    started = time.perf_counter()
-    ours = engine.generate(prompts, sampling)
-    ours_s = time.perf_counter() - started
     bare_params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, logprobs=0, skip_special_tokens=False)
-    started = time.perf_counter()
-    bare = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], bare_params, use_tqdm=False)
-    bare_s = time.perf_counter() - started
+    ours_s, bare_s = [], []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        ours = engine.generate(prompts, sampling)
+        ours_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        bare = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], bare_params,
+                                   use_tqdm=False)
+        bare_s.append(time.perf_counter() - started)
     assert [c.token_ids for c in ours][:4] == [list(o.outputs[0].token_ids)[:len(c.token_ids)]
                                                for c, o in zip(ours[:4], bare[:4], strict=True)]
 
@@ -128,17 +135,17 @@ def main() -> None:
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     turn = prompts[:8]
     small = Sampling(max_new_tokens=8, temperature=0.0)
-    sync_s = []
-    for version in range(3):
+    sync_s, loaded_s = [], []
+    for version in range(args.repeats):
         started = time.perf_counter()
         folder = work / "published" / f"v{version}"
         peft.save_pretrained(folder)
         engine.add_adapter("solver", folder)
         engine.generate(turn, small, adapter="solver")
-        with_load = time.perf_counter() - started
+        sync_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         engine.generate(turn, small, adapter="solver")
-        sync_s.append(with_load - (time.perf_counter() - started))
+        loaded_s.append(time.perf_counter() - started)
     engine.close()
 
     print(f"{args.prompts} prompts x {args.turns} turns x {args.new_tokens} new tokens (greedy, {args.dtype}, "
@@ -146,11 +153,14 @@ def main() -> None:
     print("| engine | new tokens | seconds | tokens/s |\n|---|---:|---:|---:|")
     for name, tokens, seconds in rows:
         print(f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.0f} |")
-    print(f"\nvLLM / HF: {(v_tokens / v_s) / (hf_tokens / hf_s):.2f}x")
-    print(f"our overhead over a bare LLM.generate (one turn): {ours_s:.2f} s vs {bare_s:.2f} s = "
-          f"{100 * (ours_s - bare_s) / bare_s:+.1f}%")
-    print(f"adapter sync per optimiser step (save + register + load on first use): "
-          f"{sum(sync_s) / len(sync_s):.3f} s (each: {', '.join(f'{s:.3f}' for s in sync_s)})")
+    if not args.no_hf:
+        print(f"\nvLLM / HF: {(v_tokens / v_s) / (hf_tokens / hf_s):.2f}x")
+    ours_m, bare_m = statistics.median(ours_s), statistics.median(bare_s)
+    print(f"\nour overhead over a bare LLM.generate (one turn, median of {args.repeats}): {ours_m:.2f} s vs "
+          f"{bare_m:.2f} s = {100 * (ours_m - bare_m) / bare_m:+.1f}%")
+    print(f"adapter sync per optimiser step (save + register + the generate that loads it, minus the same generate "
+          f"with it loaded; median of {args.repeats}): {statistics.median(sync_s) - statistics.median(loaded_s):.3f} s"
+          f" ({statistics.median(sync_s):.3f} s vs {statistics.median(loaded_s):.3f} s)")
 
 
 if __name__ == "__main__":
