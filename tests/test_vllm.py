@@ -78,6 +78,7 @@ def test_the_engine_runs_in_process_with_the_checkpoints_dtype(engine):
     assert isinstance(engine, Engine) and engine.on_cpu
     assert engine.llm.llm_engine.model_config.dtype == torch.float32   # dtype "auto" kept the fp32 checkpoint
     assert torch.get_num_threads() == 1 and torch.set_num_threads.__module__ == "torch"   # vLLM's patch undone
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ            # not left to processes started later
 
 
 def test_contract_seeds_stops_and_logprobs_match_an_fp32_forward(engine, tokenizer, hf_model):

@@ -65,6 +65,21 @@ def _hidden_from_kernel_scan():
         sys.modules.update(hidden)
 
 
+@contextmanager
+def _environment(values: dict[str, str]):
+    """Environment variables set for the duration of the block, then as they were."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _checkpoint(model: str | os.PathLike):
     """The model's transformers config (local folder or hub cache), or None when it cannot be read."""
     try:
@@ -191,8 +206,10 @@ class VLLMEngine:
         if enable_lora:
             kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.on_cpu = _on_cpu()
+        env: dict[str, str] = {}
         if self.on_cpu:
-            kwargs.update(self._cpu_settings(model, config, kv_cache_gib, threads), enable_sleep_mode=False)
+            settings, env = self._cpu_settings(model, config, kv_cache_gib, threads)
+            kwargs.update(settings, enable_sleep_mode=False)
             self.sleep_mode = False
             if enable_sleep_mode:
                 log.info("vLLM on CPU has no sleep mode: sleep() and wake_up() do nothing")
@@ -205,10 +222,11 @@ class VLLMEngine:
         import torch
 
         # In this process vLLM seeds the global RNGs and its CPU worker replaces torch.set_num_threads
-        # process-wide: the trainer beside it keeps its own random state and thread control.
+        # process-wide: the trainer beside it keeps its own random state and thread control. The environment
+        # the engine starts with is not left to the processes this one starts later (servers, notebooks).
         set_threads, state = torch.set_num_threads, (random.getstate(), np.random.get_state())
         try:
-            with torch.random.fork_rng(devices=[]), _hidden_from_kernel_scan():
+            with torch.random.fork_rng(devices=[]), _hidden_from_kernel_scan(), _environment(env):
                 return vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
@@ -216,27 +234,29 @@ class VLLMEngine:
             np.random.set_state(state[1])
 
     @staticmethod
-    def _cpu_settings(model, config, kv_cache_gib: float | None, threads: int | None) -> dict[str, Any]:
-        """vLLM's CPU backend, set up for a machine the engine shares with the trainer (and others)."""
+    def _cpu_settings(model, config, kv_cache_gib: float | None,
+                      threads: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """(LLM arguments, environment while it starts): vLLM's CPU backend, set up for a machine the engine
+        shares with the trainer (and others)."""
         sizes, size = _cpu_head_sizes(), head_dim(config)
         if sizes and size is not None and size not in sizes:
             raise ValueError(f"{model}: head_dim {size} is not supported by vLLM's CPU attention (supported: "
                              f"{', '.join(map(str, sizes))}); use engine.backend: hf for this model on CPU, or a "
                              "model whose hidden_size / num_heads is one of those (model.tiny: num_heads)")
         # one process: the engine core runs in this one (the default starts a process and takes 17-60 s)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
         if threads:
             import torch
 
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            env["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
         settings: dict[str, Any] = {"enforce_eager": True}  # torch.compile on CPU costs minutes at start
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             settings["distributed_executor_backend"] = "uni"
         if kv_cache_gib is None:
             space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
             settings["kv_cache_memory_bytes"] = int(float(space or CPU_KV_CACHE_GIB) * 2**30)
-        return settings
+        return settings, env
 
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Register (or replace) a LoRA adapter saved with `save_pretrained`; a new id makes vLLM reload it."""
