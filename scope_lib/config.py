@@ -399,7 +399,8 @@ class GRPOConfig(Section):
 class EngineConfig(Section):
     """Generation engines: one interface, three back ends (HF transformers, vLLM offline, OpenAI HTTP)."""
 
-    backend: Backend = Field("vllm", description="Policy rollouts: 'hf' (CPU/GPU), 'vllm' (GPU), 'openai'.")
+    backend: Backend = Field("vllm", description="Policy rollouts: 'hf' (CPU/GPU), 'vllm' (GPU; CPU through "
+                             "vLLM's CPU build, docs/gpus.md), 'openai'.")
     judge_backend: Backend | None = Field(None, description="Judge engine; None = same as `backend`.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (hf backend).")
     torch_threads: int | None = Field(
@@ -417,12 +418,16 @@ class EngineConfig(Section):
     gpu_memory_utilization: float = Field(
         0.6, gt=0.0, le=1.0, description="vLLM's share of the GPU (weights + KV cache); 0.6 leaves the trainer "
         "room on one 80 GB GPU (`scope plan`).")
+    kv_cache_gib: float | None = Field(
+        None, gt=0.0, description="vLLM's KV cache in GiB (its kv_cache_memory_bytes; then gpu_memory_utilization "
+        "no longer sizes it). None = gpu_memory_utilization on a GPU; on CPU, VLLM_CPU_KVCACHE_SPACE or 1 GiB "
+        "(vLLM's CPU default reserves a share of *all* the machine's memory).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_loras: int = Field(3, ge=1, description="vLLM adapters resident at once (Challenger, Solver, and the new "
                            "version of the one being trained while the old one is still loaded).")
     sleep_mode: bool = Field(True, description="vLLM sleeps (level 1) while the trainer steps on the same GPU and "
-                             "wakes before the next rollout.")
+                             "wakes before the next rollout (a GPU feature: nothing to do on CPU).")
 
 
 #: The paper's 15 evaluation benchmarks (§4.1): 7 short-form QA (Table 3) and 8 open-ended (Table 2).

@@ -71,14 +71,19 @@ def write_synthetic_corpus(path: Path, n_passages: int = 300, seed: int = 0) -> 
     return path
 
 
-def build_tiny_once(corpus: Path, cache_dir: Path) -> Path:
-    """The tiny model for `corpus` with the default TinyModelConfig, built at most once per process."""
+#: The tiny model for vLLM tests: vLLM's CPU attention rejects the default's head size (64 / 4 heads = 16).
+VLLM_TINY = {"hidden_size": 128, "num_heads": 2}   # head_dim 64
+
+
+def build_tiny_once(corpus: Path, cache_dir: Path, **shape) -> Path:
+    """The tiny model for `corpus` with the default TinyModelConfig (or `shape` over it), built at most once
+    per process."""
     from scope_lib.config import TinyModelConfig
     from scope_lib.models.tiny import tiny_model_path
 
-    key = str(corpus)
+    key = str((corpus, sorted(shape.items())))
     if key not in _BUILT:
-        _BUILT[key] = tiny_model_path(corpus, TinyModelConfig(), cache_dir=cache_dir)
+        _BUILT[key] = tiny_model_path(corpus, TinyModelConfig(**shape), cache_dir=cache_dir)
     return _BUILT[key]
 
 
@@ -95,3 +100,9 @@ def tiny_corpus(tmp_path_factory) -> Path:
 def tiny_model_dir(tiny_corpus: Path, tmp_path_factory) -> Path:
     """A directory holding the tiny Qwen3 + tokenizer; load it with from_pretrained (offline)."""
     return build_tiny_once(tiny_corpus, tmp_path_factory.mktemp("tiny_cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tiny_corpus: Path, tmp_path_factory) -> Path:
+    """The tiny Qwen3 with head_dim 64 (`VLLM_TINY`), which vLLM's CPU attention supports."""
+    return build_tiny_once(tiny_corpus, tmp_path_factory.mktemp("tiny_vllm_cache"), **VLLM_TINY)

@@ -16,7 +16,7 @@ from scope_lib.models.random_models import build_shaped_model
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
-needs_gpu = pytest.mark.skipif(not GPU, reason="needs CUDA and vLLM (the gpu extra)")
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs CUDA and the GPU extra: vLLM sleep mode and GPU memory (vLLM itself runs on CPU: test_vllm.py)")
 
 
 def test_shaped_models_have_the_real_vocabulary_and_shapes(tmp_path, tiny_corpus, monkeypatch):

@@ -2,7 +2,8 @@
 `vllm serve` over HTTP) instead of the trained model, the trainer publishes its adapter once per optimiser step
 (adapter-only sync), the engine sleeps while the trainer steps, and TRL corrects the gap between the sampler
 and the trained model with its importance ratio. The serving engine here is a test double that generates with
-the tiny model in this process and records what it was asked to do; vLLM itself needs a GPU (tests marked gpu)."""
+the tiny model in this process and records what it was asked to do; the same with vLLM itself (its CPU build)
+is tests/test_selfplay_vllm.py."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
                   ) -> dict[str, Policy]:
     """Engines for checkpoints, keyed by checkpoint name. Adapters share one base engine:
     hf — M0 is loaded once and each adapter attached under its name (`load_adapter`), selected per call;
-    vllm — `VLLMEngine.add_adapter(name, path)` (GPU only, not exercised on CPU);
+    vllm — `VLLMEngine.add_adapter(name, path)`;
     openai — the adapter's name is the served model name (e.g. `vllm serve M0 --enable-lora
     --lora-modules iter_03-solver=runs/<run>/iter_03/solver/adapter`).
     Full-model checkpoints get their own engine (hf, vllm) or are served under their name (openai)."""

@@ -4,7 +4,8 @@
         -> [Completion(token_ids, text, logprobs, finish_reason), ...]     # one per prompt, in order
 
 - `HFEngine`: transformers `generate` on CPU or GPU; the whole batch in one call (left padding).
-- `VLLMEngine`: vLLM offline (GPU only; LoRA adapters served by name over one base model).
+- `VLLMEngine`: vLLM offline (GPU, or CPU through vLLM's CPU build; LoRA adapters served by name over one
+  base model).
 - `OpenAIEngine`: any OpenAI-compatible `/v1/completions` server (`vllm serve`, `transformers serve`).
 
 Contract, the same for every engine (the rollout code relies on it):
