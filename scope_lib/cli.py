@@ -2,6 +2,7 @@
 
     scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML)
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
+    scope train PARAMS --processes N             the same over N ranks (torchrun; docs/gpus.md for accelerate)
     scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
@@ -58,13 +59,44 @@ def cmd_train(args) -> int:
     from scope_lib.models.loading import import_training_loader
 
     params = _torch_params(args, models=True)
+    if args.processes > 1:  # models prepared once, here; then the ranks
+        return launch_ranks(args)
     import_training_loader(params)  # Unsloth, when chosen, before the loop imports transformers and TRL
+    from scope_lib.selfplay import ranks
     from scope_lib.selfplay.loop import run
 
     result = run(params)
-    print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
-          f"{len(result.alarms)} health alarm(s)")
+    if ranks.is_main():
+        print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
+              f"{len(result.alarms)} health alarm(s)")
     return 0
+
+
+# -- several ranks (issue 24) ----------------------------------------------------------------------------------
+def launch_ranks(args) -> int:
+    """`scope train --processes N`: this same command as N ranks under torchrun on this machine (gloo on CPU,
+    NCCL on GPUs); one clear line if a rank fails. Several machines: `accelerate launch` (docs/gpus.md)."""
+    import os
+    import subprocess
+
+    if "WORLD_SIZE" in os.environ:
+        raise ParamsError("--processes starts the ranks itself: leave it out under torchrun or accelerate launch")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
+               "-m", "scope_lib.cli", "train", args.params]
+    for override in args.override:
+        command += ["-o", override]
+    code = subprocess.run(command).returncode
+    if code:
+        print(f"error: {args.processes}-process training stopped (exit code {code}; a rank failed, its error is "
+              "above); run the same command to resume", file=sys.stderr)
+    return code
+
+
+def _lost_rank(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another rank died (None for any other error)."""
+    from scope_lib.selfplay import ranks
+
+    return ranks.lost_rank_message(exc) if ranks.is_collective_failure(exc) else None
 
 
 def cmd_plan(args) -> int:
@@ -167,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)
+    train.add_argument("--processes", type=int, default=1, metavar="N",
+                       help="train over N ranks on this machine (torchrun; gloo on CPU, NCCL on GPUs)")
     train.set_defaults(func=cmd_train)
 
     gpu = with_params(sub.add_parser("plan", help="GPU memory of a run, per GPU (exit 1 if it cannot fit)"))
@@ -230,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        line = _lost_rank(exc) if args.command == "train" else None
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -538,6 +538,11 @@ class RunConfig(Section):
     runs_dir: str = Field("runs", description="Parent folder of run directories.")
     data_dir: str | None = Field(
         None, description="Where corpus and datasets are read; None = $SCOPE_DATA_DIR, else ./data.")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="Several ranks (`scope train --processes N`, torchrun, accelerate launch): how long "
+        "a rank waits in a collective (a barrier, a gather) before it gives up on the others. A rank that died "
+        "makes the rest exit within this time instead of hanging. It must exceed the longest stretch one rank "
+        "works alone (saving an adapter).")
 
 
 class Params(Section):
