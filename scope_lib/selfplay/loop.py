@@ -79,6 +79,8 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
              retriever: Retriever | None = None, policy=None) -> SelfPlayRun:
     """Load the corpus, index, policy (restoring the newest saved roles) and Judge; write the manifest."""
     ranks.init(params.run.collective_timeout_s, cpu=_on_cpu(params))
+    if engine is None:
+        ranks.check_generation_layout(params.engine.backend)
     r = params.retrieval
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
     retriever = retriever or open_retriever(params)

@@ -109,3 +109,25 @@ def is_collective_failure(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}".lower()
     return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "distbackend",
                                          "peer", "broken pipe"))
+
+
+def sharded_weights() -> str | None:
+    """The launcher's sharding of the weights (FSDP, DeepSpeed ZeRO-3), read from the environment `accelerate
+    launch` sets; None for DDP, ZeRO-1/2 and a single process."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return f"FSDP{os.environ.get('FSDP_VERSION', '1')}"
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
+def check_generation_layout(backend: str) -> None:
+    """Sharded weights need every rank in every forward pass; the hf engine's generate runs a different number
+    of forwards on each rank (its own prompts, its own lengths) and would hang. Refuse that pairing up front."""
+    sharding = sharded_weights()
+    if sharding and backend == "hf":
+        from scope_lib.config import ParamsError
+
+        raise ParamsError(f"{sharding} shards the weights over the ranks, so engine.backend: hf cannot generate "
+                          "rollouts on one rank alone: serve M0 with vLLM (engine.backend: openai with "
+                          "engine.base_url: [...], docs/gpus.md), or train LoRA under DDP (accelerate/ddp.yaml)")
