@@ -408,8 +408,11 @@ class EngineConfig(Section):
     max_batch_size: int | None = Field(
         None, ge=1, description="hf backend: rows per model.generate call (a turn's batch is split into chunks of "
         "this size, longest prompts first); None = the whole batch at once. Bounds the KV cache on a GPU.")
-    base_url: str | None = Field(None, description="OpenAI-compatible server for the 'openai' backend.")
-    judge_base_url: str | None = Field(None, description="Server for a served Judge; None = `base_url`.")
+    base_url: str | list[str] | None = Field(
+        None, description="OpenAI-compatible server for the 'openai' backend; a list of servers of the same model "
+        "(e.g. one `vllm serve` per GPU) shares each batch out over them, adapters registered on each.")
+    judge_base_url: str | list[str] | None = Field(
+        None, description="Server (or list of servers) for a served Judge; None = `base_url`.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
     concurrency: int = Field(32, ge=1, description="Requests in flight (openai backend).")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (openai backend).")
@@ -417,7 +420,9 @@ class EngineConfig(Section):
     gpu_memory_utilization: float = Field(
         0.6, gt=0.0, le=1.0, description="vLLM's share of the GPU (weights + KV cache); 0.6 leaves the trainer "
         "room on one 80 GB GPU (`scope plan`).")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs per engine).")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM data parallelism: engine replicas, each on "
+                                    "`tensor_parallel_size` GPUs (vllm.LLM's data_parallel_size).")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_loras: int = Field(3, ge=1, description="vLLM adapters resident at once (Challenger, Solver, and the new "
                            "version of the one being trained while the old one is still loaded).")

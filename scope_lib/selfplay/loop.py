@@ -97,6 +97,8 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
         # Unsloth's fast_inference engine lives on the policy's model
         engine = policy.engine if params.engine.backend == "hf" else make_engine(
             params, "policy", model=policy.model, tokenizer=policy.tokenizer)
+    if ranks.distributed() and hasattr(engine, "adapter_tag"):  # ranks sharing servers publish their own copies
+        engine.adapter_tag = f"rank{ranks.rank()}-"
     if judge is None:
         judges: dict[str, Engine] = {}
 
