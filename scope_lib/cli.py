@@ -100,10 +100,14 @@ def _lost_rank(exc: BaseException) -> str | None:
 
 
 def cmd_plan(args) -> int:
-    from scope_lib.models.gpu_plan import plan_gpu
+    from scope_lib.models.gpu_plan import cluster_table, plan_cluster, plan_gpu
 
+    if args.cluster:  # every layout on a cluster of N GPUs (issue 24)
+        options = plan_cluster(_params(args), gpus=args.cluster, gpu_gib=args.gpu_gib)
+        print(cluster_table(_params(args), options))
+        return 0 if any(o.fits for o in options) else 1
     report = plan_gpu(_params(args), gpu_gib=args.gpu_gib, gpus=args.gpus, engine=args.engine,
-                      sleep=not args.no_sleep)
+                      sleep=not args.no_sleep, layout=args.layout)
     print(report.table())
     return 0 if report.fits else 1
 
@@ -208,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--gpus", type=int, default=1, help="GPUs the trainer is spread over")
     gpu.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default: params)")
     gpu.add_argument("--no-sleep", action="store_true", help="vLLM stays awake while the trainer steps")
+    gpu.add_argument("--layout", choices=["ddp", "zero2", "fsdp2", "zero3"], default=None,
+                     help="how the trainer spreads over --gpus (default: ddp for LoRA, zero3 for full)")
+    gpu.add_argument("--cluster", type=int, default=None, metavar="N",
+                     help="compare every layout on N GPUs (trainer GPUs + vllm serve GPUs); says which fit")
     gpu.set_defaults(func=cmd_plan)
 
     params = sub.add_parser("params", help="inspect parameters").add_subparsers(dest="what", required=True)
