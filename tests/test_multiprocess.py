@@ -6,6 +6,7 @@
   SIGKILL one rank mid-stage -> the launcher ends with one `error:` line; the resumed run writes every record
   once (nothing lost, nothing duplicated), the records written before the kill again (same seeds), and both
   ranks end with the same weights.
+- One GRPO step on a fixed batch: 2 ranks x B rows give the weights of 1 process x 2B with gradient accumulation.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,3 +119,27 @@ def test_sigkill_one_rank_then_resume(tmp_path, wiki_sample, tiny_model_dir, cac
     digests = rank_digests(resumed_text, "solver")
     assert set(digests) == {"0", "1"} and digests["0"] == digests["1"], digests
     assert (solver / "DONE").is_file() and (solver / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_step_like_one_process_with_gradient_accumulation(tmp_path, tiny_model_dir, cache_env):  # noqa: F811
+    """The same result: one GRPO step over a fixed batch of 4 rollouts, 2 ranks x 2 rows against 1 process x 2
+    micro-batches of 2 (gradient accumulation), gives the same LoRA weights. The rollouts are scripted
+    (tests/same_result_child.py): TRL samples each rank's share with that rank's RNG, so sampled text cannot
+    agree; what must agree is the loss and the gradient of one batch, which plain SGD writes into the weights."""
+    import torch
+
+    child = str(Path(__file__).with_name("same_result_child.py"))
+    env = {**cache_env, "PYTHONPATH": str(Path(__file__).parents[1])}
+    one = subprocess.run([sys.executable, child, str(tiny_model_dir), str(tmp_path / "one.pt")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and "gradient accumulation 2" in one.stdout, one.stdout[-2000:] + one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          child, str(tiny_model_dir), str(tmp_path / "two.pt")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0 and two.stdout.count("gradient accumulation 1") == 2, two.stderr[-3000:]
+    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert a.keys() == b.keys() and len(a) > 0
+    moved = max(a[k].abs().max().item() for k in a if "lora_B" in k)   # B starts at zero: this is the update
+    assert moved > 1e-3
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6   # measured 1.4e-9: summation order only
