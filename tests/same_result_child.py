@@ -54,7 +54,8 @@ if __name__ == "__main__":
     trainer = make_trainer(policy, "solver", args, dataset_ids=PROMPTS, rollout_func=rollout_func,
                            reward_func=reward)
     trainer.train()
-    print(f"rank {ranks.rank()}: gradient accumulation {args.gradient_accumulation_steps}, "
+    print(f"rank {ranks.rank()}: {trainer.accelerator.distributed_type}, gradient accumulation "
+          f"{args.gradient_accumulation_steps}, "
           f"loss {trainer.state.log_history[0].get('loss')}", flush=True)
     if ranks.is_main():
         model = trainer.accelerator.unwrap_model(trainer.model)
