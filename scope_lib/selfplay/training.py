@@ -676,8 +676,10 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
         log.info("rank %d of %d: %s weights after iteration %d: sha256 %s", ranks.rank(), ranks.world_size(),
                  ctx.role, ctx.iteration, ranks.weights_digest(_unwrap(trainer)))
     saved = ctx.stage.path / ("adapter" if ctx.policy.finetuning == "lora" else "model")
-    if ranks.is_main():  # every rank holds the same weights (DDP); one writes them
-        saved = ctx.policy.save(ctx.role, ctx.stage.path)
+    # sharded weights (FSDP2, ZeRO-3) are gathered by every rank together; DDP ranks each hold them whole
+    gathered = trainer.accelerator.get_state_dict(trainer.model) if ranks.sharded_weights() else None
+    if ranks.is_main():  # one rank writes them
+        saved = ctx.policy.save(ctx.role, ctx.stage.path, state_dict=gathered)
         for scratch in ("trainer", "published"):
             shutil.rmtree(ctx.stage.path / scratch, ignore_errors=True)
     ranks.barrier()
