@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         line = _lost_rank(exc) if args.command == "train" else None
         if line is None:
             raise
-        print(f"error: {line}", file=sys.stderr)
+        print(f"\nerror: {line}", file=sys.stderr)  # a fresh line: a progress bar may be half drawn
         return 3
 
 

@@ -83,7 +83,10 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
         ranks.check_generation_layout(params.engine.backend)
     r = params.retrieval
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
-    retriever = retriever or open_retriever(params)
+    if retriever is None:  # the main rank builds (or opens) the index first; the others then open what it built
+        retriever = open_retriever(params) if ranks.is_main() else None
+        ranks.barrier()
+        retriever = retriever or open_retriever(params)
     report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
     log.info("%s", report.table())
     report.raise_if_failed()
