@@ -114,3 +114,18 @@ def test_adapters_are_registered_on_every_server(tiny_tokenizer, tmp_path):
         engine.add_adapter("solver", folder, version=2)           # the new version everywhere, the old one out
         assert first["loaded"] == second["loaded"] == {"solver@2"}
         engine.close()
+
+
+def test_vllm_parallelism_reaches_the_engine(monkeypatch, tiny_tokenizer):
+    """engine.tensor_parallel_size and engine.data_parallel_size reach vllm.LLM's arguments (recorded by a
+    stand-in for VLLMEngine: vLLM itself needs CUDA)."""
+    import scope_lib.models.loading as loading
+
+    seen = {}
+    monkeypatch.setattr(loading, "VLLMEngine", lambda model, **kwargs: seen.update(kwargs) or "engine")
+    params = validate_params({"engine": {"backend": "vllm", "tensor_parallel_size": 2, "data_parallel_size": 4}})
+    assert make_engine(params, "policy", tokenizer=tiny_tokenizer) == "engine"
+    assert seen["tensor_parallel_size"] == 2 and seen["data_parallel_size"] == 4
+    seen.clear()
+    make_engine(validate_params({"engine": {"backend": "vllm"}}), "policy", tokenizer=tiny_tokenizer)
+    assert seen["tensor_parallel_size"] == 1 and "data_parallel_size" not in seen   # vLLM's own default
