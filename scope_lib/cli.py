@@ -56,8 +56,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
+    import os
+
     from scope_lib.models.loading import import_training_loader
 
+    if args.processes > 1 and "WORLD_SIZE" in os.environ:
+        raise ParamsError("--processes starts the ranks itself: leave it out under torchrun or accelerate launch")
     params = _torch_params(args, models=True)
     if args.processes > 1:  # models prepared once, here; then the ranks
         return launch_ranks(args)
@@ -76,11 +80,8 @@ def cmd_train(args) -> int:
 def launch_ranks(args) -> int:
     """`scope train --processes N`: this same command as N ranks under torchrun on this machine (gloo on CPU,
     NCCL on GPUs); one clear line if a rank fails. Several machines: `accelerate launch` (docs/gpus.md)."""
-    import os
     import subprocess
 
-    if "WORLD_SIZE" in os.environ:
-        raise ParamsError("--processes starts the ranks itself: leave it out under torchrun or accelerate launch")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
                "-m", "scope_lib.cli", "train", args.params]
     for override in args.override:

@@ -155,3 +155,11 @@ def test_two_ranks_step_like_one_process_with_gradient_accumulation(tmp_path, ti
     moved = max(a[k].abs().max().item() for k in a if "lora_B" in k)   # B starts at zero: this is the update
     assert moved > 1e-3
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6   # measured 1.4e-9: summation order only
+
+
+def test_processes_is_refused_inside_a_launched_rank(monkeypatch, capsys):
+    from scope_lib.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", str(Path(__file__).parents[1] / "params" / "smoke.yaml"), "--processes", "2"]) == 2
+    assert "--processes starts the ranks itself" in capsys.readouterr().err
