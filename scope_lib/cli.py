@@ -2,6 +2,7 @@
 
     scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML, index.html)
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
+    scope train PARAMS --processes N             the same over N ranks (torchrun; docs/gpus.md for accelerate)
     scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
@@ -58,8 +59,10 @@ def writes_run(command):
     @functools.wraps(command)
     def guarded(args) -> int:
         from scope_lib.runs import lock_run
+        from scope_lib.selfplay.ranks import is_main
 
-        lock_run(_params(args).run_dir)
+        if is_main():  # several ranks (issue 24): rank 0 holds it; the others never write to the run folder
+            lock_run(_params(args).run_dir)
         return command(args)
 
     return guarded
@@ -87,24 +90,63 @@ def cmd_run(args) -> int:
 
 @writes_run
 def cmd_train(args) -> int:
+    import os
+
     from scope_lib.models.loading import import_training_loader
 
+    if args.processes > 1 and "WORLD_SIZE" in os.environ:
+        raise ParamsError("--processes starts the ranks itself: leave it out under torchrun or accelerate launch")
     params = _torch_params(args, models=True)
+    if params.run.checkpoint_steps and (args.processes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ParamsError("run.checkpoint_steps (mid-stage resume) runs with one process only so far: leave it out "
+                          "with several ranks (a killed stage then restarts from its first step)")
+    if args.processes > 1:  # models prepared once, here; then the ranks
+        return launch_ranks(args)
     import_training_loader(params)  # Unsloth, when chosen, before the loop imports transformers and TRL
+    from scope_lib.selfplay import ranks
     from scope_lib.selfplay.health import read_alarms
     from scope_lib.selfplay.loop import run
 
     result = run(params)
-    print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
-          f"{len(read_alarms(result.run_dir))} health alarm(s) in {result.run_dir / 'health.jsonl'}")
+    if ranks.is_main():
+        print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
+              f"{len(read_alarms(result.run_dir))} health alarm(s) in {result.run_dir / 'health.jsonl'}")
     return 0
 
 
-def cmd_plan(args) -> int:
-    from scope_lib.models.gpu_plan import plan_gpu
+# -- several ranks (issue 24) ----------------------------------------------------------------------------------
+def launch_ranks(args) -> int:
+    """`scope train --processes N`: this same command as N ranks under torchrun on this machine (gloo on CPU,
+    NCCL on GPUs); one clear line if a rank fails. Several machines: `accelerate launch` (docs/gpus.md)."""
+    import subprocess
 
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
+               "-m", "scope_lib.cli", "train", args.params]
+    for override in args.override:
+        command += ["-o", override]
+    code = subprocess.run(command).returncode
+    if code:
+        print(f"error: {args.processes}-process training stopped (exit code {code}; a rank failed, its error is "
+              "above); run the same command to resume", file=sys.stderr)
+    return code
+
+
+def _lost_rank(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another rank died (None for any other error)."""
+    from scope_lib.selfplay import ranks
+
+    return ranks.lost_rank_message(exc) if ranks.is_collective_failure(exc) else None
+
+
+def cmd_plan(args) -> int:
+    from scope_lib.models.gpu_plan import cluster_table, plan_cluster, plan_gpu
+
+    if args.cluster:  # every layout on a cluster of N GPUs (issue 24)
+        options = plan_cluster(_params(args), gpus=args.cluster, gpu_gib=args.gpu_gib)
+        print(cluster_table(_params(args), options))
+        return 0 if any(o.fits for o in options) else 1
     report = plan_gpu(_params(args), gpu_gib=args.gpu_gib, gpus=args.gpus, engine=args.engine,
-                      sleep=not args.no_sleep)
+                      sleep=not args.no_sleep, layout=args.layout)
     print(report.table())
     return 0 if report.fits else 1
 
@@ -233,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)
+    train.add_argument("--processes", type=int, default=1, metavar="N",
+                       help="train over N ranks on this machine (torchrun; gloo on CPU, NCCL on GPUs)")
     train.set_defaults(func=cmd_train)
 
     gpu = with_params(sub.add_parser("plan", help="GPU memory of a run, per GPU (exit 1 if it cannot fit)"))
@@ -240,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--gpus", type=int, default=1, help="GPUs the trainer is spread over")
     gpu.add_argument("--engine", choices=["hf", "vllm"], default=None, help="generation engine (default: params)")
     gpu.add_argument("--no-sleep", action="store_true", help="vLLM stays awake while the trainer steps")
+    gpu.add_argument("--layout", choices=["ddp", "zero2", "fsdp2", "zero3"], default=None,
+                     help="how the trainer spreads over --gpus (default: ddp for LoRA, zero3 for full)")
+    gpu.add_argument("--cluster", type=int, default=None, metavar="N",
+                     help="compare every layout on N GPUs (trainer GPUs + vllm serve GPUs); says which fit")
     gpu.set_defaults(func=cmd_plan)
 
     params = sub.add_parser("params", help="inspect parameters").add_subparsers(dest="what", required=True)
@@ -302,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
+        lost = _lost_rank(exc) if args.command == "train" else None
+        if lost is not None:
+            print(f"\nerror: {lost}", file=sys.stderr)  # a fresh line: a progress bar may be half drawn
+            return 3
         user, line = one_line(exc)
         print(f"error: {line}" if user else f"error: {type(exc).__name__}: {exc} (an internal error: rerun with "
               "--debug and report the traceback)", file=sys.stderr)

@@ -409,8 +409,11 @@ class EngineConfig(Section):
     max_batch_size: int | None = Field(
         None, ge=1, description="hf backend: rows per model.generate call (a turn's batch is split into chunks of "
         "this size, longest prompts first); None = the whole batch at once. Bounds the KV cache on a GPU.")
-    base_url: str | None = Field(None, description="OpenAI-compatible server for the 'openai' backend.")
-    judge_base_url: str | None = Field(None, description="Server for a served Judge; None = `base_url`.")
+    base_url: str | list[str] | None = Field(
+        None, description="OpenAI-compatible server for the 'openai' backend; a list of servers of the same model "
+        "(e.g. one `vllm serve` per GPU) shares each batch out over them, adapters registered on each.")
+    judge_base_url: str | list[str] | None = Field(
+        None, description="Server (or list of servers) for a served Judge; None = `base_url`.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
     concurrency: int = Field(32, ge=1, description="Requests in flight (openai backend).")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (openai backend).")
@@ -422,7 +425,9 @@ class EngineConfig(Section):
         None, gt=0.0, description="vLLM's KV cache in GiB (its kv_cache_memory_bytes; then gpu_memory_utilization "
         "no longer sizes it). None = gpu_memory_utilization on a GPU; on CPU, VLLM_CPU_KVCACHE_SPACE or 1 GiB "
         "(vLLM's CPU default reserves a share of *all* the machine's memory).")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs per engine).")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM data parallelism: engine replicas, each on "
+                                    "`tensor_parallel_size` GPUs (vllm.LLM's data_parallel_size).")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_loras: int = Field(3, ge=1, description="vLLM adapters resident at once (Challenger, Solver, and the new "
                            "version of the one being trained while the old one is still loaded).")
@@ -547,6 +552,11 @@ class RunConfig(Section):
         "0 = off (a killed stage restarts). Does not change results (docs/runs.md).")
     data_dir: str | None = Field(
         None, description="Where corpus and datasets are read; None = $SCOPE_DATA_DIR, else ./data.")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="Several ranks (`scope train --processes N`, torchrun, accelerate launch): how long "
+        "a rank waits in a collective (a barrier, a gather) before it gives up on the others. A rank that died "
+        "makes the rest exit within this time instead of hanging. It must exceed the longest stretch one rank "
+        "works alone (saving an adapter).")
 
     @model_validator(mode="after")
     def _single_component(self):

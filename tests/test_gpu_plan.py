@@ -82,3 +82,57 @@ def test_unsloth_4bit_and_fast_inference_in_the_plan():
     own = plain.vllm[0] - plain.vllm[1]
     shared = plan_gpu(qwen3("model.loader=unsloth", "model.unsloth.fast_inference=true"))
     assert shared.vllm[1] == 0.0 and shared.vllm[0] - shared.vllm[1] == pytest.approx(own + 16.38e9 / GIB, abs=0.01)
+
+
+def test_multi_gpu_layouts_of_full_fine_tuning_against_hand_figures():
+    """Qwen3-8B full fine-tuning on 4 trainer GPUs, per GPU (8.19B parameters): DDP keeps 16 B x 8.19B = 131 GB
+    whole; ZeRO-2 2 B whole + 14 B / 4 = 45.0 GB plus M0 whole 16.4 GB; ZeRO-3 / FSDP2 16 B / 4 = 32.8 GB plus M0
+    / 4 = 4.1 GB plus two gathered layers of 6.95B / 36 x 2 B = 0.77 GB."""
+    p = KNOWN["Qwen/Qwen3-8B"].parameters
+    full = qwen3("model.finetuning=full", "engine.backend=openai")
+
+    def rows(layout):
+        return {r.item: r.gib * GIB / 1e9 for r in plan_gpu(full, gpus=4, layout=layout).rows}
+
+    assert rows("ddp")["trained copy: bf16 weights and gradients, fp32 master, AdamW"] == pytest.approx(16 * p / 1e9)
+    assert not plan_gpu(full, gpus=4, layout="ddp").fits
+    zero2 = rows("zero2")
+    assert zero2["trained copy: bf16 weights; gradients, fp32 master, AdamW sharded"] == pytest.approx(45.0, abs=0.1)
+    assert zero2["frozen M0 (Judge, reference)"] == pytest.approx(16.4, abs=0.05)
+    for layout in ("zero3", "fsdp2"):
+        sharded = rows(layout)
+        assert sharded["trained copy: bf16 weights and gradients, fp32 master, AdamW"] == pytest.approx(32.8, abs=0.05)
+        assert sharded["frozen M0 (Judge, reference)"] == pytest.approx(4.1, abs=0.05)
+        assert sharded["gathered layers in flight"] == pytest.approx(0.77, abs=0.01)
+        assert plan_gpu(full, gpus=4, layout=layout).fits
+    assert plan_gpu(full, gpus=4, layout="zero3").peak < plan_gpu(full, gpus=4, layout="zero2").peak
+    hf = plan_gpu(qwen3("model.finetuning=full", "engine.backend=hf"), gpus=4, layout="fsdp2")
+    assert any("engine.backend: hf cannot generate" in a for a in hf.advice)
+    with pytest.raises(ParamsError, match="layout"):
+        plan_gpu(full, gpus=4, layout="tp")
+
+
+def test_tensor_parallel_serving_and_the_cluster_layouts(capsys):
+    """vllm serve of Qwen3-8B (16.4 GB bf16) with TP 1 on 80 GiB: 15.25 GiB weights, 0.9 x 80 - 15.25 = 56.75
+    GiB of KV cache at 144 KiB per token = 413k tokens; TP 2 halves the weights per GPU and doubles the cache."""
+    from scope_lib.models.gpu_plan import plan_cluster, plan_serving
+
+    params = qwen3()
+    one = plan_serving(params, gpu_gib=80, tensor_parallel=1)
+    assert one.weights_gib == pytest.approx(15.25, abs=0.01) and one.kv_gib == pytest.approx(56.75, abs=0.01)
+    assert one.rollouts * one.context == pytest.approx(one.kv_gib * GIB / (144 * 1024), rel=1e-9)
+    assert one.rollouts * one.context / 1e3 == pytest.approx(413, abs=0.5)
+    two = plan_serving(params, gpu_gib=80, tensor_parallel=2)
+    assert two.weights_gib == pytest.approx(one.weights_gib / 2) and two.rollouts > 2 * one.rollouts
+    assert not plan_serving(params, gpu_gib=16, tensor_parallel=1).fits          # the weights alone fill it
+    assert plan_serving(params, gpu_gib=16, tensor_parallel=2).fits
+    full = qwen3("model.finetuning=full")
+    options = {o.name.split(" ")[0]: o for o in plan_cluster(full, gpus=8, gpu_gib=80)}
+    assert not options["1"].fits and not options["ddp"].fits                     # 131 GB of trainer state per GPU
+    assert options["zero3"].fits and options["fsdp2"].fits and options["zero3"].trainer_gpus == 4
+    assert main(["plan", "--params", str(REPO / "params" / "qwen3-8b.yaml"), "-o", "model.finetuning=full",
+                 "--cluster", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "zero3 on 4 GPUs + 4 vllm serve x TP 1 on 4 GPUs" in out and "fits: zero2" in out and "most headroom: fsdp2" in out
+    assert main(["plan", "--params", str(REPO / "params" / "qwen3-8b.yaml"), "-o", "model.finetuning=full",
+                 "--cluster", "1"]) == 1

@@ -21,6 +21,14 @@ Arithmetic from the model's architecture (its config.json, or the table below fo
 
 With vLLM sleeping while the trainer steps (level 1, the base never changes), the two phases peak separately;
 without sleep they add up. Estimates, not measurements: leave the headroom the table shows.
+
+Several GPUs (`layout`, issue 24; accelerate/<layout>.yaml): `ddp` keeps everything whole on every GPU; `zero2`
+shards gradients and optimizer state (weights whole); `fsdp2` and `zero3` shard weights, gradients and optimizer
+state, plus two gathered layers in flight (the one computing, the one prefetched). `plan_serving` is one
+`vllm serve` over `tensor_parallel` GPUs (weights split, KV cache in the rest); `plan_cluster` tries every layout
+on a cluster split into trainer GPUs and serving GPUs and says which fit.
+
+    plan_cluster(params, gpus=8, gpu_gib=80)   # `scope plan --cluster 8`
 """
 
 from __future__ import annotations
@@ -130,6 +138,7 @@ class GpuPlan:
     sleep: bool = True
     advice: list[str] = field(default_factory=list)
     vllm: tuple[float, float, int] | None = None   # (its share in GiB, its weights in GiB, one rollout's tokens)
+    layout: str = "ddp"
 
     @property
     def resident(self) -> float:
@@ -161,7 +170,7 @@ class GpuPlan:
         return self.peak <= USABLE * self.gpu_gib
 
     def table(self) -> str:
-        lines = [f"GPU memory plan: {self.model} on {self.gpus} GPU(s) of {self.gpu_gib:.0f} GiB "
+        lines = [f"GPU memory plan: {self.model} on {self.gpus} GPU(s) of {self.gpu_gib:.0f} GiB, {self.layout} "
                  f"(vLLM sleeps while training: {'yes' if self.sleep else 'no'})", "",
                  "| item | GiB per GPU | phase | note |", "|---|---|---|---|"]
         lines += [f"| {r.item} | {r.gib:.2f} | {r.phase} | {r.note} |" for r in self.rows]
@@ -172,8 +181,9 @@ class GpuPlan:
 
 
 def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: str | None = None,
-             sleep: bool = True) -> GpuPlan:
-    """The per-GPU memory plan of `params` on `gpus` GPUs of `gpu_gib` GiB (see the module docstring)."""
+             sleep: bool = True, layout: str | None = None) -> GpuPlan:
+    """The per-GPU memory plan of `params` on `gpus` trainer GPUs of `gpu_gib` GiB (see the module docstring).
+    `layout`: ddp, zero2, fsdp2 or zero3 (default: ddp for LoRA, zero3 for full fine-tuning)."""
     arch = architecture(params)
     engine = engine or params.engine.backend
     b = DTYPE_BYTES[params.model.dtype]
@@ -182,6 +192,12 @@ def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: st
     report = GpuPlan(params.model.base, gpu_gib, gpus, sleep=sleep)
     add = report.rows.append
     weights = p * b / GIB
+    layout = layout or ("ddp" if params.model.finetuning == "lora" else "zero3")
+    if layout not in LAYOUTS:
+        raise ParamsError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    report.layout = layout
+    sharded = layout in SHARDED and gpus > 1
+    split = gpus if sharded else 1   # how many GPUs the weights are split over
     if params.model.finetuning == "lora":
         lora = arch.lora_parameters(params.model.lora_rank)
         if unsloth is not None and unsloth.load_in_4bit:
@@ -190,21 +206,31 @@ def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: st
                         f"{q / 1e9:.2f}B projection weights in NF4 ({NF4_BYTES:.3f} B), the other "
                         f"{(p - q) / 1e9:.2f}B x {b} B"))
         else:
-            add(PlanRow("base weights M0 (Judge, reference)", weights, "both",
-                        f"{p / 1e9:.2f}B parameters x {b} B"))
-        add(PlanRow("trained adapter + gradient + AdamW (fp32)", 16 * lora / GIB, "both",
+            add(PlanRow("base weights M0 (Judge, reference)", weights / split, "both",
+                        f"{p / 1e9:.2f}B parameters x {b} B" + (f", sharded over {gpus} GPUs" if sharded else "")))
+        add(PlanRow("trained adapter + gradient + AdamW (fp32)", 16 * lora / GIB / split, "both",
                     f"{lora / 1e6:.1f}M LoRA parameters (r={params.model.lora_rank}) x 16 B"))
-        add(PlanRow("frozen second adapter (fp32)", 4 * lora / GIB, "both", ""))
+        add(PlanRow("frozen second adapter (fp32)", 4 * lora / GIB / split, "both", ""))
+    elif layout == "ddp":
+        add(PlanRow("trained copy: bf16 weights and gradients, fp32 master, AdamW", 16 * p / GIB, "both",
+                    "16 B per parameter on every GPU (DDP)"))
+        add(PlanRow("frozen M0 (Judge, reference)", weights, "both", "whole on every GPU"))
+    elif layout == "zero2":
+        add(PlanRow("trained copy: bf16 weights; gradients, fp32 master, AdamW sharded", (2 + 14 / gpus) * p / GIB,
+                    "both", f"2 B per parameter whole + 14 B sharded over {gpus} GPU(s) (ZeRO-2)"))
+        add(PlanRow("frozen M0 (Judge, reference)", weights, "both", "whole on every GPU"))
     else:
         add(PlanRow("trained copy: bf16 weights and gradients, fp32 master, AdamW", 16 * p / GIB / gpus, "both",
                     f"16 B per parameter, sharded over {gpus} GPU(s) (ZeRO-3 / FSDP)"))
         add(PlanRow("frozen M0 (Judge, reference)", weights / gpus, "both", "sharded with the trainer"))
+    if sharded:
+        add(PlanRow("gathered layers in flight", 2 * arch.linear_parameters / arch.layers * b / GIB, "train",
+                    f"{layout}: one layer computing, the next prefetched, whole"))
     rows, tokens = _micro_batch(params)
     add(PlanRow("activations of one micro-batch", _activations(arch, rows, tokens, b,
                                                                params.grpo.gradient_checkpointing) / GIB, "train",
                 f"{rows} row(s) x {tokens} tokens, checkpointing {'on' if params.grpo.gradient_checkpointing else 'off'}"))
-    context = min(params.model.max_model_len, max(params.challenger.max_prompt_tokens, params.solver.max_prompt_tokens)
-                  + max(params.challenger.max_response_tokens, params.solver.max_response_tokens))
+    context = _context(params)
     if engine == "vllm":
         shared = unsloth is not None and unsloth.fast_inference
         share = params.engine.gpu_memory_utilization * report.gpu_gib
@@ -223,6 +249,103 @@ def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: st
                     f"{chunk} rollouts per generate call (engine.max_batch_size) x {context} tokens"))
     _advise(report, params, engine)
     return report
+
+
+LAYOUTS = ("ddp", "zero2", "fsdp2", "zero3")
+SHARDED = ("fsdp2", "zero3")   # the weights themselves are split: every rank takes part in every forward
+#: Share of a serving GPU `vllm serve` takes (its --gpu-memory-utilization default).
+SERVING_SHARE = 0.9
+
+
+@dataclass
+class ServingPlan:
+    """One `vllm serve` of M0 with tensor parallelism over `tensor_parallel` GPUs, per GPU."""
+
+    model: str
+    gpu_gib: float
+    tensor_parallel: int
+    weights_gib: float        # per GPU
+    kv_gib: float             # per GPU
+    rollouts: float           # concurrent full-length rollouts the whole server's KV cache holds
+    context: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_gib > 0 and self.rollouts >= 1
+
+    def line(self) -> str:
+        return (f"vllm serve, tensor parallel {self.tensor_parallel}: {self.weights_gib:.1f} GiB weights + "
+                f"{self.kv_gib:.1f} GiB KV cache per GPU = {self.rollouts:.0f} concurrent {self.context}-token "
+                f"rollouts: {'FITS' if self.fits else 'DOES NOT FIT'}")
+
+
+def plan_serving(params: Params, *, gpu_gib: float = 80.0, tensor_parallel: int = 1) -> ServingPlan:
+    """M0 served by vLLM over `tensor_parallel` GPUs: weights split over them, KV cache (split by KV heads) in
+    the rest of `SERVING_SHARE` of each GPU."""
+    arch = architecture(params)
+    weights = arch.parameters * DTYPE_BYTES[params.model.dtype] / GIB / tensor_parallel
+    kv = SERVING_SHARE * gpu_gib - weights
+    context = _context(params)
+    rollouts = max(0.0, kv) * GIB * tensor_parallel / arch.kv_bytes_per_token() / context
+    return ServingPlan(params.model.base, gpu_gib, tensor_parallel, weights, kv, rollouts, context)
+
+
+@dataclass
+class ClusterOption:
+    name: str
+    trainer_gpus: int
+    serving_gpus: int
+    train: GpuPlan
+    serving: ServingPlan | None
+
+    @property
+    def fits(self) -> bool:
+        return self.train.fits and (self.serving is None or self.serving.fits)
+
+
+def plan_cluster(params: Params, *, gpus: int, gpu_gib: float = 80.0) -> list[ClusterOption]:
+    """Every layout of `params` on `gpus` GPUs: the trainer on one GPU with vLLM beside it, then each accelerate
+    layout on half the GPUs with M0 served on the other half (tensor parallelism as small as fits; one server
+    per group, `engine.base_url: [...]`). The paper's split for 7-8B: 4 GPUs training, 2-4 serving."""
+    options = [ClusterOption("1 GPU, vLLM beside the trainer (sleeps while it steps)", 1, 0,
+                             plan_gpu(params, gpu_gib=gpu_gib, gpus=1, engine="vllm", layout="ddp"), None)]
+    if gpus < 2:
+        return options
+    train_gpus, serve_gpus = (gpus + 1) // 2, gpus // 2
+    tp = next((t for t in (1, 2, 4, 8) if t <= serve_gpus and plan_serving(params, gpu_gib=gpu_gib,
+                                                                             tensor_parallel=t).fits), serve_gpus)
+    serving = plan_serving(params, gpu_gib=gpu_gib, tensor_parallel=tp)
+    for layout in LAYOUTS:
+        servers = max(1, serve_gpus // tp)
+        options.append(ClusterOption(
+            f"{layout} on {train_gpus} GPUs + {servers} vllm serve x TP {tp} on {serve_gpus} GPUs", train_gpus,
+            serve_gpus, plan_gpu(params, gpu_gib=gpu_gib, gpus=train_gpus, engine="openai", layout=layout),
+            serving))
+    return options
+
+
+def cluster_table(params: Params, options: list[ClusterOption]) -> str:
+    fits = [o for o in options if o.fits]
+    lines = [f"Layouts for {params.model.base} ({params.model.finetuning}) on {options[-1].trainer_gpus + options[-1].serving_gpus} "
+             f"GPU(s) of {options[0].train.gpu_gib:.0f} GiB", "",
+             "| layout | trainer peak GiB per GPU | serving | fits |", "|---|---|---|---|"]
+    for o in options:
+        serving = o.serving.line().split(": ")[0] if o.serving else "vLLM on the trainer's GPU"
+        lines.append(f"| {o.name} | {o.train.peak:.1f} | {serving} | {'yes' if o.fits else 'no'} |")
+    lines.append("")
+    if fits:
+        roomy = min(fits, key=lambda o: o.train.peak)
+        lines.append(f"fits: {fits[0].name} (the fewest GPUs, least sharding)")
+        lines.append(f"most headroom: {roomy.name} ({USABLE * roomy.train.gpu_gib - roomy.train.peak:.1f} GiB "
+                     "per trainer GPU)")
+    else:
+        lines.append("no layout fits: use LoRA (model.finetuning: lora), more GPUs, or bigger ones")
+    return "\n".join(lines)
+
+
+def _context(params: Params) -> int:
+    return min(params.model.max_model_len, max(params.challenger.max_prompt_tokens, params.solver.max_prompt_tokens)
+               + max(params.challenger.max_response_tokens, params.solver.max_response_tokens))
 
 
 def _micro_batch(params: Params) -> tuple[int, int]:
@@ -244,6 +367,9 @@ def _activations(arch: Architecture, rows: int, tokens: int, b: int, checkpointi
 
 def _advise(report: GpuPlan, params: Params, engine: str) -> None:
     usable = USABLE * report.gpu_gib
+    if report.layout in SHARDED and report.gpus > 1 and engine == "hf":
+        report.advice.append(f"{report.layout} shards the weights: generate with served M0 (engine.backend: openai "
+                             "with engine.base_url: [...]); engine.backend: hf cannot generate on one rank")
     if report.fits:
         report.advice.append(f"headroom {usable - report.peak:.1f} GiB per GPU")
         return

@@ -203,7 +203,8 @@ def make_engine(params: Params, role: Role = "policy", model=None, tokenizer=Non
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
             max_model_len=params.model.max_model_len, seed=params.selfplay.seed, dtype=params.model.dtype,
             enable_sleep_mode=cfg.sleep_mode, llm=shared, kv_cache_gib=cfg.kv_cache_gib,
-            threads=cfg.torch_threads)
+            threads=cfg.torch_threads,
+            **({"data_parallel_size": cfg.data_parallel_size} if cfg.data_parallel_size > 1 else {}))
     if backend == "openai":
         url = cfg.base_url if role == "policy" else (cfg.judge_base_url or cfg.base_url)
         key = "engine.base_url" if role == "policy" else "engine.judge_base_url (or engine.base_url)"

@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 PromptFormat = Literal["auto", "tokens", "text"]
 
 
+def _server_root(url: str) -> str:
+    """A server's address without a trailing slash or `/v1`."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
 class OpenAIEngine:
     """An OpenAI-compatible `/v1/completions` server: `vllm serve` (a Judge or frozen Solver on other GPUs)
     or `transformers serve` (CPU).
@@ -46,6 +52,10 @@ class OpenAIEngine:
       - "auto": the first request tries "tokens"; when the server rejects it (400/422) but accepts the same
         request as text, "text" is used for good. A request rejected either way raises.
 
+    `base_url` may be a list of servers serving the same model (several `vllm serve`, one per GPU or node): each
+    batch is cut into contiguous shares, one per server (a GRPO group's copies stay together, for the servers'
+    prefix caches), and `add_adapter` registers the adapter on every server.
+
     `adapter` becomes the request's `model` (vLLM serves LoRA adapters under their names, `--lora-modules`).
     Requests run concurrently on a thread pool (safe inside Jupyter's running event loop); connection errors,
     timeouts, 429 and 5xx are retried with exponential backoff (longer after 429, never shorter than the
@@ -56,7 +66,7 @@ class OpenAIEngine:
 
     name = "openai"
 
-    def __init__(self, base_url: str, model: str, tokenizer, api_key: str | None = None, concurrency: int = 32,
+    def __init__(self, base_url: str | list[str], model: str, tokenizer, api_key: str | None = None, concurrency: int = 32,
                  timeout_s: float = 600.0, max_retries: int = 3, prompt_format: PromptFormat = "auto",
                  backoff_s: float = 1.0, eos_token_ids: Iterable[int] | None = None,
                  max_model_len: int | None = None, max_wait_s: float = 120.0):
@@ -64,10 +74,13 @@ class OpenAIEngine:
 
         if prompt_format not in ("auto", "tokens", "text"):
             raise ValueError(f"prompt_format must be auto, tokens or text, got {prompt_format!r}")
-        self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: give at least one server address")
+        self.base_urls = [_server_root(u) for u in urls]
+        self.base_url = self.base_urls[0]
         self.url = f"{self.base_url}/v1/completions"
+        self.requests = [0] * len(self.base_urls)  # requests sent to each server (retries not counted)
         self.model = model
         self.tokenizer = tokenizer
         self.concurrency = concurrency
@@ -79,6 +92,7 @@ class OpenAIEngine:
         self.max_wait_s = max_wait_s
         self._secrets = [api_key] if api_key else []
         self._adapter_names: dict[str, str] = {}
+        self.adapter_tag = ""  # prefixed to served versions: several trainer ranks sharing servers set their own
         self._adapter_count = 0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
@@ -97,21 +111,23 @@ class OpenAIEngine:
         if not Path(path, "adapter_config.json").is_file():
             raise FileNotFoundError(f"{path}: no adapter_config.json; save the adapter with save_pretrained")
         self._adapter_count += 1
-        served = f"{name}@{version if version is not None else self._adapter_count}"
-        self._admin("load_lora_adapter", {"lora_name": served, "lora_path": str(Path(path).resolve())})
+        served = f"{name}@{self.adapter_tag}{version if version is not None else self._adapter_count}"
+        for base in self.base_urls:
+            self._admin(base, "load_lora_adapter", {"lora_name": served, "lora_path": str(Path(path).resolve())})
         previous = self._adapter_names.get(name)
         self._adapter_names[name] = served
         if previous and previous != served:
-            try:
-                self._admin("unload_lora_adapter", {"lora_name": previous})
-            except EngineRequestError as exc:  # the new version is live; an old one left loaded costs a slot
-                log.warning("%s: could not unload %s: %s", self.base_url, previous, redact(str(exc), self._secrets))
+            for base in self.base_urls:
+                try:
+                    self._admin(base, "unload_lora_adapter", {"lora_name": previous})
+                except EngineRequestError as exc:  # the new version is live; an old one left loaded costs a slot
+                    log.warning("%s: could not unload %s: %s", base, previous, redact(str(exc), self._secrets))
         return served
 
-    def _admin(self, route: str, body: dict[str, Any]) -> None:
+    def _admin(self, base: str, route: str, body: dict[str, Any]) -> None:
         import httpx
 
-        url = f"{self.base_url}/v1/{route}"
+        url = f"{base}/v1/{route}"
         try:
             response = self._client.post(url, json=body)
         except httpx.TransportError as exc:
@@ -134,13 +150,17 @@ class OpenAIEngine:
         budgets = fit_budgets(prompt_token_ids, sampling.max_new_tokens, self.max_model_len)
         results: list[Completion | None] = [None if b else no_room_completion() for b in budgets]
         todo = [i for i, b in enumerate(budgets) if b]
+        n = len(prompt_token_ids)
+        server = [i * len(self.base_urls) // n for i in range(n)]  # contiguous shares, one per server
         if todo and self.prompt_format == "auto":  # probe with one prompt, then run the rest concurrently
             first = todo.pop(0)
-            results[first] = self._probe(prompt_token_ids[first], budgets[first], sampling, adapter, first)
+            results[first] = self._probe(prompt_token_ids[first], budgets[first], sampling, adapter, first,
+                                         server[first])
         if todo:
             abort = threading.Event()
             with ThreadPoolExecutor(max_workers=min(self.concurrency, len(todo))) as pool:
-                futures = {pool.submit(self._one, prompt_token_ids[i], budgets[i], sampling, adapter, i, abort): i
+                futures = {pool.submit(self._one, prompt_token_ids[i], budgets[i], sampling, adapter, i, abort,
+                                       server=server[i]): i
                            for i in todo}
                 done, pending = wait(futures, return_when=FIRST_EXCEPTION)
                 failed = [f for f in done if f.exception() is not None]
@@ -155,17 +175,17 @@ class OpenAIEngine:
 
     # -- internals ---------------------------------------------------------------------------------
     def _probe(self, prompt: list[int], budget: int, sampling: Sampling, adapter: str | None,
-               index: int) -> Completion:
+               index: int, server: int = 0) -> Completion:
         """Try token-id prompts; fall back to text only when the server rejects token prompts and accepts the
         same request as text. A request that fails either way (e.g. a context-length 400) raises and leaves
         the format undecided."""
         try:
-            completion = self._one(prompt, budget, sampling, adapter, index, None, fmt="tokens")
+            completion = self._one(prompt, budget, sampling, adapter, index, None, fmt="tokens", server=server)
         except EngineRequestError as exc:
             if exc.status not in (400, 422):
                 raise
             try:
-                completion = self._one(prompt, budget, sampling, adapter, index, None, fmt="text")
+                completion = self._one(prompt, budget, sampling, adapter, index, None, fmt="text", server=server)
             except EngineRequestError:
                 raise exc from None
             log.info("%s rejected token-id prompts (%s); sending text prompts from now on", self.url,
@@ -199,9 +219,11 @@ class OpenAIEngine:
         return body
 
     def _one(self, prompt: list[int], budget: int, sampling: Sampling, adapter: str | None, index: int,
-             abort: threading.Event | None, fmt: str | None = None) -> Completion:
+             abort: threading.Event | None, fmt: str | None = None, server: int = 0) -> Completion:
         fmt = fmt or self.prompt_format
-        reply = self._post(self._body(prompt, budget, sampling, adapter, index, fmt), abort)
+        with self._format_lock:
+            self.requests[server] += 1
+        reply = self._post(self._body(prompt, budget, sampling, adapter, index, fmt), abort, server)
         try:
             choice = reply["choices"][0]
         except (KeyError, IndexError, TypeError):
@@ -209,15 +231,17 @@ class OpenAIEngine:
                                             self._secrets)) from None
         return self._completion(choice, sampling, fmt)
 
-    def _post(self, body: dict[str, Any], abort: threading.Event | None) -> dict[str, Any]:
+    def _post(self, body: dict[str, Any], abort: threading.Event | None, server: int = 0) -> dict[str, Any]:
+        base = self.base_urls[server]
+        url = f"{base}/v1/completions"
         status, payload, text = post_with_retries(
-            self._client, self.url, body, max_retries=self.max_retries, base_s=self.backoff_s,
+            self._client, url, body, max_retries=self.max_retries, base_s=self.backoff_s,
             max_wait_s=self.max_wait_s, secrets=self._secrets, abort=abort, unavailable=EngineUnavailable,
-            hint=f"Check that the server is running and reachable at {self.base_url} (e.g. `curl "
-                 f"{self.base_url}/v1/models`), that it serves model {body['model']!r}, and engine.base_url / "
+            hint=f"Check that the server is running and reachable at {base} (e.g. `curl "
+                 f"{base}/v1/models`), that it serves model {body['model']!r}, and engine.base_url / "
                  "engine.judge_base_url in the params.")
         if payload is None:
-            raise EngineRequestError(redact(f"{self.url}: HTTP {status} for model {body['model']!r}: {text[:500]}",
+            raise EngineRequestError(redact(f"{url}: HTTP {status} for model {body['model']!r}: {text[:500]}",
                                             self._secrets), status=status)
         return payload
 

@@ -12,12 +12,17 @@ own start (a log line says how many finished steps that discards): its folder is
 weights are those of the last finished stage (loaded from disk in a new process). The task pool resumes batch by batch: a candidate batch counts once its marker is in
 chunks.jsonl; records of an unfinished batch are dropped and the batch is redone, so nothing is lost or
 duplicated. Every stage has its own seed, so a resumed run writes the same records as an uninterrupted one.
+
+Several ranks (`scope train --processes N`, torchrun, accelerate launch; `scope_lib.selfplay.ranks`): every rank
+runs every stage on its share of the prompts; the main rank alone writes records, sentinels and adapters, and the
+others wait at a barrier before reading them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from scope_lib.config import Params, ParamsError
@@ -29,7 +34,7 @@ from scope_lib.retrieval.check import check_index
 from scope_lib.retrieval.corpus import document_range, read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import Stage, iteration_dir, write_manifest
-from scope_lib.selfplay import health
+from scope_lib.selfplay import health, ranks
 from scope_lib.selfplay.checkpoints import latest_checkpoint
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
@@ -76,9 +81,15 @@ class SelfPlayRun:
 def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | None = None,
              retriever: Retriever | None = None, policy=None) -> SelfPlayRun:
     """Load the corpus, index, policy (restoring the newest saved roles) and Judge; write the manifest."""
+    ranks.init(params.run.collective_timeout_s, cpu=_on_cpu(params))
+    if engine is None:
+        ranks.check_generation_layout(params.engine.backend)
     r = params.retrieval
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
-    retriever = retriever or open_retriever(params)
+    if retriever is None:  # the main rank builds (or opens) the index first; the others then open what it built
+        retriever = open_retriever(params) if ranks.is_main() else None
+        ranks.barrier()
+        retriever = retriever or open_retriever(params)
     report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
     log.info("%s", report.table())
     report.raise_if_failed()
@@ -92,6 +103,8 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
         # Unsloth's fast_inference engine lives on the policy's model
         engine = policy.engine if params.engine.backend == "hf" else make_engine(
             params, "policy", model=policy.model, tokenizer=policy.tokenizer)
+    if ranks.distributed() and hasattr(engine, "adapter_tag"):  # ranks sharing servers publish their own copies
+        engine.adapter_tag = f"rank{ranks.rank()}-"
     if judge is None:
         judges: dict[str, Engine] = {}
 
@@ -104,16 +117,29 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
 
         judge = make_judge(params, engine_for)
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
+    if ranks.is_main():
+        _write_manifest(params, judge, passages, fingerprint)
+    ranks.barrier()
+    run = SelfPlayRun(params, passages, retriever, get_dialect(params.model.dialect, params.model.base), policy,
+                      judge, engine)
+    _restore_roles(run)
+    return run
+
+
+def _on_cpu(params: Params) -> bool:
+    import torch
+
+    return not (torch.cuda.is_available() and params.engine.device != "cpu")
+
+
+def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None) -> None:
     write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), model=params.model.base,
                    finetuning=params.model.finetuning,
                    seeds={"selfplay": params.selfplay.seed, "grpo": params.grpo.seed},
                    judge_models=judge_models(params), index=fingerprint,
                    corpus={"path": str(params.corpus_path), "passages": len(passages),
-                           "sha256": (fingerprint or {}).get("corpus_sha256")})
-    run = SelfPlayRun(params, passages, retriever, get_dialect(params.model.dialect, params.model.base), policy,
-                      judge, engine)
-    _restore_roles(run)
-    return run
+                           "sha256": (fingerprint or {}).get("corpus_sha256")},
+                   processes=ranks.world_size())
 
 
 def science_yaml(params: Params) -> str:
@@ -161,8 +187,11 @@ def publish_roles(r: SelfPlayRun, t: int, stage: str, roles: tuple[str, ...]) ->
     nothing to do when the engine generates with the trained model itself (hf)."""
     if not serves_adapters(r.engine):
         return
+    folder = r.stage(t, stage).path / "serving"
+    if ranks.distributed():  # each rank publishes to its own engine from its own folder
+        folder = folder / f"rank{ranks.rank()}"
     for role in roles:
-        r.policy.publish(role, r.stage(t, stage).path / "serving" / role, r.engine)
+        r.policy.publish(role, folder / role, r.engine)
 
 
 def documents_start(r: SelfPlayRun, t: int) -> int:
@@ -173,6 +202,22 @@ def documents_start(r: SelfPlayRun, t: int) -> int:
     if "documents" not in previous:
         raise RuntimeError(f"iteration {t - 1}'s task pool is not finished; run the iterations in order")
     return previous["documents"][1]
+
+
+def _reset(r: SelfPlayRun, t: int, stage) -> None:
+    """Before a training stage, the main rank resumes or clears what an interrupted attempt left
+    (`restart_or_resume`); then every rank goes on."""
+    if ranks.is_main():
+        restart_or_resume(r, t, stage)
+    ranks.barrier()
+
+
+def _mark_done(stage, summary: dict, saved=None) -> None:
+    """Write the stage's DONE sentinel (the main rank; with the checksums of `saved` weights); every rank goes on
+    once it is there."""
+    if ranks.is_main():
+        stage.mark_done(summary, saved=saved)
+    ranks.barrier()
 
 
 def _stage_context(r: SelfPlayRun, t: int, role: str, stage):
@@ -191,9 +236,9 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
     if not sp.co_evolution and t > 1:
         summary = {"frozen_at": 1, "documents": [start, start],
                    "note": "selfplay.co_evolution is false: the Challenger stays at its iteration-1 checkpoint"}
-        stage.mark_done(summary)
+        _mark_done(stage, summary)
         return summary
-    restart_or_resume(r, t, stage)
+    _reset(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # S_{t-1} estimates the difficulty (the Challenger syncs itself)
     seed = stage_seed(r.params, t, "challenger")
     documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed)
@@ -204,7 +249,7 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
                "documents": [start, start + len(documents)], "saved": result.saved.name,
                "reward": [m.get("reward") for m in result.metrics]}
-    stage.mark_done(summary, saved=result.saved)
+    _mark_done(stage, summary, result.saved)
     return summary
 
 
@@ -233,10 +278,18 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
     if stage.done:
         return stage.summary
     p, sp = r.params, r.params.selfplay
-    candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
-    finished = finished_chunks(candidates, chunks, tasks)
-    candidates.retain(lambda rec: rec["chunk"] in finished)  # drop a batch a kill (or damage) left incomplete
-    tasks.retain(lambda rec: rec["chunk"] in finished)
+    main = ranks.is_main()
+    if main:  # a kill (or a damaged line) may have left half a batch: the main rank repairs before anyone reads
+        candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
+        finished = finished_chunks(candidates, chunks, tasks)
+        candidates.retain(lambda rec: rec["chunk"] in finished)  # drop a batch a kill (or damage) left incomplete
+        tasks.retain(lambda rec: rec["chunk"] in finished)
+    ranks.barrier()
+    if not main:
+        candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
+        finished = {c["chunk"] for c in chunks}
+    kept_per_batch = Counter(rec["chunk"] for rec in tasks)  # counted by every rank: only the main rank appends
+    n_candidates = len(candidates)
     first = r.stage(t, "challenger").summary["documents"][1]  # right after Stage 1's documents
     publish_roles(r, t, "pool", ("challenger", "solver"))    # C_t writes, S_{t-1} estimates the difficulty
     seed, size = stage_seed(p, t, "pool"), sp.candidate_batch_size
@@ -244,9 +297,9 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
     limit = min(available, sp.max_candidate_batches) if sp.max_candidate_batches else available
     holes = sorted(set(range(max(finished, default=-1))) - finished)  # batches a damaged record took back
     k = max(finished, default=-1) + 1
-    bar = tqdm(total=sp.target_tasks, initial=min(len(tasks), sp.target_tasks), desc=f"iteration {t} task pool",
-               unit="task", leave=False)
-    while holes or (len(tasks) < sp.target_tasks and k < limit):
+    bar = tqdm(total=sp.target_tasks, initial=min(sum(kept_per_batch.values()), sp.target_tasks),
+               desc=f"iteration {t} task pool", unit="task", leave=False, disable=not main)
+    while holes or (sum(kept_per_batch.values()) < sp.target_tasks and k < limit):
         hole = holes.pop(0) if holes else None
         k, resume_k = (hole, k) if hole is not None else (k, None)
         started, judge_before = time.perf_counter(), r.judge.stats.totals()
@@ -254,48 +307,61 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
         prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed * 1000 + k,
                                           tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
                                           id_prefix=f"i{t:02d}-p{k:04d}-")
-        trajectories = challenger_trajectories(prompts, r.dialect, r.policy.tokenizer)
+        mine = ranks.share(prompts)  # this rank's share of the batch (all of it with one process)
+        offset = 100_000 * ranks.rank()  # each rank samples its own share; rank 0 keeps the 1-process seeds
+        trajectories = challenger_trajectories(mine, r.dialect, r.policy.tokenizer)
         limits = challenger_limits(p)
-        limits.seed = seed * 1000 + k
+        limits.seed = seed * 1000 + k + offset
         written = run_rollouts(trajectories, r.engine, r.retriever, r.dialect, limits, adapter="challenger")
         evals, _graded, solved = evaluate_tasks(
-            trajectories, {q.id: q for q in prompts}, params=p, judge=r.judge, solver_engine=r.engine,
+            trajectories, {q.id: q for q in mine}, params=p, judge=r.judge, solver_engine=r.engine,
             retriever=r.retriever, dialect=r.dialect, n_solver=sp.solver_rollouts_filter, solver_adapter="solver",
-            filtering=True, grading_temperature=p.judge.difficulty_grading_temperature, seed=seed * 1000 + 500 + k)
-        kept = filter_tasks(evals, sp.difficulty_window, sp.tasks_per_document)
-        room = sp.target_tasks - sum(1 for rec in tasks if rec["chunk"] < k)  # as when batch k first ran
-        kept_ids = {e.challenger_id for e in kept[:room]}
-        traj_by_id = {q.id: q for q in trajectories}
-        candidates.append({"id": e.challenger_id, "chunk": k, "iteration": t, "kept": e.challenger_id in kept_ids,
-                           "evaluation": e.to_record(), "trajectory": traj_by_id[e.challenger_id].to_record()}
-                          for e in evals)
-        tasks.append({**e.to_record(), "id": e.challenger_id, "iteration": t, "chunk": k}
-                     for e in kept[:room])
+            filtering=True, grading_temperature=p.judge.difficulty_grading_temperature,
+            seed=seed * 1000 + 500 + k + offset)
         judge_after = r.judge.stats.totals()
-        chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals),
-                        "with_task": sum(e.task is not None for e in evals),
-                        "passed_gates": sum(e.gates_passed for e in evals),
-                        "in_window": len(kept), "kept": len(kept_ids),
-                        "yield": len(kept) / len(evals) if evals else 0.0,
-                        "engine_calls": written.engine_calls + solved.engine_calls,
-                        "judge_calls": judge_after["calls"] - judge_before["calls"],
-                        "time_total_s": time.perf_counter() - started,
-                        "time_generation_s": written.generation_s + solved.generation_s,
-                        "time_retrieval_s": written.retrieval_s + solved.retrieval_s,
-                        "time_judge_s": judge_after["seconds"] - judge_before["seconds"]}])
+        costs = {"engine_calls": written.engine_calls + solved.engine_calls,
+                 "judge_calls": judge_after["calls"] - judge_before["calls"],
+                 "time_generation_s": written.generation_s + solved.generation_s,
+                 "time_retrieval_s": written.retrieval_s + solved.retrieval_s,
+                 "time_judge_s": judge_after["seconds"] - judge_before["seconds"]}
+        traj_records = {q.id: q.to_record() for q in trajectories}
+        gathered = ranks.gather([(evals, traj_records, costs)])  # every rank's share, in prompt order
+        evals = [e for share, _, _ in gathered for e in share]
+        traj_by_id = {i: rec for _, records, _ in gathered for i, rec in records.items()}
+        costs = {key: sum(c[key] for _, _, c in gathered) for key in costs}  # calls and rank-seconds, summed
+        kept = filter_tasks(evals, sp.difficulty_window, sp.tasks_per_document)
+        room = sp.target_tasks - sum(n for b, n in kept_per_batch.items() if b < k)  # as when batch k first ran
+        kept_ids = {e.challenger_id for e in kept[:room]}
+        if main:
+            candidates.append({"id": e.challenger_id, "chunk": k, "iteration": t,
+                               "kept": e.challenger_id in kept_ids, "evaluation": e.to_record(),
+                               "trajectory": traj_by_id[e.challenger_id]} for e in evals)
+            tasks.append({**e.to_record(), "id": e.challenger_id, "iteration": t, "chunk": k}
+                         for e in kept[:room])
+            chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals),
+                            "with_task": sum(e.task is not None for e in evals),
+                            "passed_gates": sum(e.gates_passed for e in evals),
+                            "in_window": len(kept), "kept": len(kept_ids),
+                            "yield": len(kept) / len(evals) if evals else 0.0,
+                            "engine_calls": costs["engine_calls"], "judge_calls": costs["judge_calls"],
+                            "time_total_s": time.perf_counter() - started,
+                            **{key: costs[key] for key in ("time_generation_s", "time_retrieval_s", "time_judge_s")}}])
+        kept_per_batch[k], n_candidates = len(kept_ids), n_candidates + len(evals)
         bar.update(len(kept_ids))
         k = resume_k if resume_k is not None else k + 1
     bar.close()
-    summary = {"tasks": len(tasks), "candidates": len(candidates), "chunks": k,
+    n_tasks = sum(kept_per_batch.values())
+    summary = {"tasks": n_tasks, "candidates": n_candidates, "chunks": k,
                "documents": [first, first + k * size],
-               "yield": len(tasks) / len(candidates) if len(candidates) else 0.0,
-               "stopped": "target" if len(tasks) >= sp.target_tasks else
+               "yield": n_tasks / n_candidates if n_candidates else 0.0,
+               "stopped": "target" if n_tasks >= sp.target_tasks else
                ("max_candidate_batches" if sp.max_candidate_batches and k >= sp.max_candidate_batches
                 else "documents ran out")}
     for alarm in health.check_pool({**summary, "iteration": t}):
         r.alarms.append(alarm)
-        health.report(alarm, r.run_dir)
-    stage.mark_done(summary)
+        if main:
+            health.report(alarm, r.run_dir)
+    _mark_done(stage, summary)
     return summary
 
 
@@ -327,17 +393,17 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
     stage = r.stage(t, "solver")
     if stage.done:
         return stage.summary
-    restart_or_resume(r, t, stage)
+    _reset(r, t, stage)
     pool = {rec["id"]: TaskEvaluation.from_record(rec) for rec in r.stage(t, "pool").records("tasks")}
     if not pool:
         summary = {"skipped": "empty task pool", "steps": 0,
                    "note": "no task survived the filter; the Solver keeps S_{t-1} (see the health alarms)"}
         log.warning("iteration %d: the task pool is empty; Stage 3 trains nothing", t)
-        stage.mark_done(summary)
+        _mark_done(stage, summary)
         return summary
     result = train_role(_stage_context(r, t, "solver", stage), pool)
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "tasks": len(pool),
                "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
                "rubric_score": [m.get("rubric_score") for m in result.metrics]}
-    stage.mark_done(summary, saved=result.saved)
+    _mark_done(stage, summary, result.saved)
     return summary

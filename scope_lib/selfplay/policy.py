@@ -95,19 +95,20 @@ class Policy:
         return None if self.finetuning == "lora" else self.base
 
     # -- saving and loading ------------------------------------------------------------------------------
-    def save(self, role: str, stage_dir: str | os.PathLike) -> Path:
+    def save(self, role: str, stage_dir: str | os.PathLike, state_dict: dict | None = None) -> Path:
         """Write the role to `stage_dir/adapter` (LoRA: adapter_config.json + weights) or `stage_dir/model`,
-        atomically (a temporary folder renamed into place)."""
+        atomically (a temporary folder renamed into place). `state_dict`: the weights gathered from sharded
+        ranks (FSDP2, ZeRO-3), in place of the module's own shards."""
         check_role(role)
         target = Path(stage_dir) / ("adapter" if self.finetuning == "lora" else "model")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=stage_dir))
         try:
             if self.finetuning == "lora":
-                self.model.save_pretrained(tmp, selected_adapters=[role])
+                self.model.save_pretrained(tmp, selected_adapters=[role], state_dict=state_dict)
                 saved = tmp / role  # PEFT writes adapters other than "default" into a subfolder
             else:
-                self.models[role].save_pretrained(tmp)
+                self.models[role].save_pretrained(tmp, state_dict=state_dict)
                 self.tokenizer.save_pretrained(tmp)
                 saved = tmp
             if target.exists():

@@ -46,7 +46,7 @@ from scope_lib.models.engine import Engine  # noqa: E402
 from scope_lib.protocol import rewards  # noqa: E402
 from scope_lib.protocol.dialects import Dialect  # noqa: E402
 from scope_lib.runs import Stage  # noqa: E402
-from scope_lib.selfplay import health  # noqa: E402
+from scope_lib.selfplay import health, ranks  # noqa: E402
 from scope_lib.selfplay.checkpoints import checkpoint_step, latest_checkpoint, marker_callback, role_folder
 from scope_lib.selfplay.judge import Judge  # noqa: E402
 from scope_lib.selfplay.policy import AdapterSync, Policy, check_role, serves_adapters
@@ -434,6 +434,7 @@ class RoleSession:
         self.solver_records = ctx.stage.records("solver_rollouts") if ctx.role == "challenger" else None
         self.metrics = ctx.stage.records("metrics")
         self.pending: dict[int, dict[str, Any]] = {}
+        self.unwritten: dict[str, list[dict[str, Any]]] = {}  # this step's records, until the main rank writes
         self.per_turn = ctx.dialect.strips_earlier_thinking
         self._judge_before: dict[str, float] = {}
 
@@ -442,12 +443,15 @@ class RoleSession:
         ctx, step = self.ctx, trainer.state.global_step
         started = time.perf_counter()
         seen: dict[str, int] = {}
+        for earlier in ranks.gather([list(prompts)])[:ranks.rank()]:  # a group may span ranks: number it whole
+            for item_id in earlier:
+                seen[item_id] = seen.get(item_id, -1) + 1
         trajectories = []
         for item_id in prompts:  # TRL repeats each prompt G times: the copies are the group
             j = seen[item_id] = seen.get(item_id, -1) + 1
             trajectories.append(self._new_trajectory(item_id, f"{item_id}/t{step:03d}/g{j}"))
         limits = challenger_limits(ctx.params) if ctx.role == "challenger" else solver_limits(ctx.params)
-        limits.seed = ctx.seed * 1000 + step
+        limits.seed = ctx.seed * 1000 + step + 100_000 * ranks.rank()  # rank 0 keeps the 1-process seeds
         stats = run_rollouts(trajectories, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                              adapter=ctx.role)
         self.pending[step] = {"rollout_s": time.perf_counter() - started, **_rollout_times(stats),
@@ -475,7 +479,20 @@ class RoleSession:
             metrics, reward_s=time.perf_counter() - started, judge_s=judge_after["seconds"] - judge_before["seconds"],
             judge_calls=judge_after["calls"] - judge_before["calls"], judge_prompts=asked,
             judge_parse_failure_rate=(judge_after["unparseable"] - judge_before["unparseable"]) / asked if asked else 0.0)
+        self._flush(step)
         return values
+
+    def _flush(self, step: int) -> None:
+        """Gather this step's records and numbers from every rank; the main rank writes the records, in rank
+        order (with one process: this process's, as they are)."""
+        unwritten, self.unwritten = self.unwritten, {}
+        shares = ranks.gather([(unwritten, self.pending.get(step, {}))])
+        if ranks.distributed():
+            self.pending[step] = combine_ranks([numbers for _, numbers in shares])
+        if ranks.is_main():
+            for name, records in (("rollouts", self.records), ("solver_rollouts", self.solver_records)):
+                if records is not None:
+                    records.append(rec for written, _ in shares for rec in written.get(name, []))
 
     # -- the two rewards ------------------------------------------------------------------------------
     def _challenger_rewards(self, trajectories: list[Trajectory], step: int):
@@ -487,13 +504,13 @@ class RoleSession:
             solver_adapter=ctx.solver_adapter, seed=ctx.seed * 1000 + 500 + step)
         by_id = {e.challenger_id: e for e in evals}
         values = [by_id[t.id].reward if t.id in by_id else None for t in trajectories]
-        self.records.append({"id": t.id, "iteration": ctx.iteration, "step": step + 1, "reward": value,
+        self.unwritten["rollouts"] = [{"id": t.id, "iteration": ctx.iteration, "step": step + 1, "reward": value,
                              "evaluation": by_id[t.id].to_record() if t.id in by_id else None,
-                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True))
-        self.solver_records.append({"id": g.trajectory.id, "iteration": ctx.iteration, "step": step + 1,
+                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True)]
+        self.unwritten["solver_rollouts"] = [{"id": g.trajectory.id, "iteration": ctx.iteration, "step": step + 1,
                                     "task_id": g.trajectory.meta["challenger_id"], "verdicts": g.verdicts,
                                     "rubric_score": g.rubric_score, "trajectory": g.trajectory.to_record()}
-                                   for g in graded)
+                                   for g in graded]
         gated = [e for e in evals if e.gates]
         scored = [e.mean_score for e in evals if e.mean_score is not None]
         c = ctx.params.challenger
@@ -522,12 +539,12 @@ class RoleSession:
         length = rewards.LengthPenalty(s.length_soft, s.length_hard, s.length_floor)
         answer_tokens = [len(ctx.policy.tokenizer.encode(g.trajectory.answer, add_special_tokens=False))
                          if g.trajectory.answer else 0 for g in graded]
-        self.records.append({"id": t.id, "iteration": ctx.iteration, "step": step + 1,
+        self.unwritten["rollouts"] = [{"id": t.id, "iteration": ctx.iteration, "step": step + 1,
                              "task_id": t.meta["task_id"], "reward": value,
                              "rubric_score": by_id[t.id].rubric_score if t.id in by_id else None,
                              "verdicts": by_id[t.id].verdicts if t.id in by_id else None,
                              "format": by_id[t.id].format.total if t.id in by_id else None,
-                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True))
+                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True)]
         return values, {
             **_reward_stats(values),
             "rubric_score": _mean([g.rubric_score for g in graded]),
@@ -581,11 +598,35 @@ class RoleSession:
             "time_overhead_s": max(0.0, ours.get("rollout_s", 0.0) - generated - ours.get("retrieval_s", 0.0))
             + max(0.0, ours.get("reward_s", 0.0) - ours.get("judge_s", 0.0) - ours.get("solver_rollout_s", 0.0)),
         }
-        self.metrics.append([record])
         for alarm in health.check_step(record):
             ctx.alarms.append(alarm)
-            health.report(alarm, ctx.stage.path.parent.parent)
+            if ranks.is_main():
+                health.report(alarm, ctx.stage.path.parent.parent)
+        if ranks.is_main():
+            self.metrics.append([record])
         return record
+
+
+#: Per-step numbers that add up over ranks; "*_s" times take the slowest rank; the rest are per-rollout means.
+SUMMED = ("engine_calls", "retrieval_calls", "generated_tokens", "rollouts", "never_ran", "unscored_rows",
+          "solver_rollouts", "judge_calls", "judge_prompts")
+
+
+def combine_ranks(shares: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's numbers over every rank's share: counts summed, times the slowest rank's, rates and means
+    weighted by each rank's rollouts (None where no rank had a value)."""
+    combined: dict[str, Any] = {}
+    for key in dict.fromkeys(k for share in shares for k in share):
+        values = [(share.get(key), share.get("rollouts") or 1) for share in shares]
+        present = [(v, w) for v, w in values if v is not None]
+        if key in SUMMED:
+            combined[key] = sum(v for v, _ in present)
+        elif key.endswith("_s"):
+            combined[key] = max((v for v, _ in present), default=0.0)
+        else:
+            weight = sum(w for _, w in present)
+            combined[key] = sum(float(v) * w for v, w in present) / weight if present else None
+    return combined
 
 
 def _rollout_times(stats: RolloutStats) -> dict[str, float]:
@@ -662,7 +703,8 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
     trainer = make_trainer(ctx.policy, ctx.role, args, dataset_ids=ids, rollout_func=session.rollout_func,
                            reward_func=session.scope_reward, callbacks=callbacks,
                            per_turn=session.per_turn, serving=ctx.rollout_engine,
-                           sync_folder=ctx.stage.path / "published")
+                           sync_folder=ctx.stage.path / "published" / (
+                               f"rank{ranks.rank()}" if ranks.distributed() else ""))
     trainer.scope_policy, trainer.scope_role = ctx.policy, ctx.role
     resume = latest_checkpoint(ctx.stage.path / "trainer") if ctx.params.run.checkpoint_steps else None
     if resume is not None:
@@ -673,9 +715,17 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
                     "restored; %d record(s) of later steps dropped and redone)", ctx.iteration, ctx.role, k,
                     args.max_steps, resume, dropped)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
-    saved = ctx.policy.save(ctx.role, ctx.stage.path)
-    for scratch in ("trainer", "published"):
-        shutil.rmtree(ctx.stage.path / scratch, ignore_errors=True)
+    if ranks.distributed():
+        log.info("rank %d of %d: %s weights after iteration %d: sha256 %s", ranks.rank(), ranks.world_size(),
+                 ctx.role, ctx.iteration, ranks.weights_digest(_unwrap(trainer)))
+    saved = ctx.stage.path / ("adapter" if ctx.policy.finetuning == "lora" else "model")
+    # sharded weights (FSDP2, ZeRO-3) are gathered by every rank together; DDP ranks each hold them whole
+    gathered = trainer.accelerator.get_state_dict(trainer.model) if ranks.sharded_weights() else None
+    if ranks.is_main():  # one rank writes them
+        saved = ctx.policy.save(ctx.role, ctx.stage.path, state_dict=gathered)
+        for scratch in ("trainer", "published"):
+            shutil.rmtree(ctx.stage.path / scratch, ignore_errors=True)
+    ranks.barrier()
     metrics = list(session.metrics)
     return StageResult(steps=trainer.state.global_step, seconds=time.perf_counter() - started, metrics=metrics,
                        saved=saved)
