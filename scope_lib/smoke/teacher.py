@@ -676,7 +676,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     gate_replies, passed = [], []
     for i, (task, doc) in enumerate(pairs):
         verdicts = []
-        for gate in params.judge.gates:
+        for gate in (g for g in params.judge.gates if g in prompts.GATES):   # the prompt gates
             verdict, reply = judge_teacher.gate(gate, task, doc)
             stats.count(f"gate {gate}", verdict)
             gate_replies.append(reply)
