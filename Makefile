@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo test lint clean readme-figure
+.PHONY: install demo demo-smollm test lint clean readme-figure
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml constraints.txt
 # Every notebook, executed with papermill under the smoke parameters -> runs/smoke/reports/ (.ipynb + .html).
 demo: $(STAMP)
 	$(BIN)/scope run $(PARAMS)
+
+# The notebooks on SmolLM2-135M-Instruct (params/smollm.yaml; issue 23) -> runs/smollm/reports/. Zero-shot: the warm
+# start that would teach it the protocol is not built yet (docs/smoke-model.md, "The real model").
+demo-smollm: $(STAMP)
+	$(BIN)/scope run params/smollm.yaml $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS))
 
 # The README's copy of notebook 04's Solver figure, from the demo's run folder (after `make demo`).
 readme-figure: $(STAMP)

@@ -18,6 +18,8 @@ from scope_lib.config import load_params
 from scope_lib.models import loading, packaged
 from scope_lib.models.packaged import PackagedModelError, TokenizerDecodingError
 
+REPO = Path(__file__).resolve().parents[1]
+
 # -- finding the file --------------------------------------------------------------------------------------
 
 
@@ -67,7 +69,7 @@ def test_model_source_builds_once_then_reuses(smollm_dir: Path, smollm_cache: Pa
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(smollm_cache.parent))
     monkeypatch.setattr(packaged, "scope_cache_dir", lambda kind: smollm_cache)
     converts = count_calls(monkeypatch, packaged, "convert_gguf")
-    params = load_params("params/smoke.yaml", [f"model.base={SOURCE}"])
+    params = load_params(REPO / "params" / "smoke.yaml", [f"model.base={SOURCE}"])
     assert loading.model_source(params) == str(smollm_dir)
     assert loading.model_source(params, "judge") == str(smollm_dir)   # the Judge is M0
     assert converts == []
@@ -129,3 +131,15 @@ def test_check_decoding_catches_the_converted_end_of_sequence_token(smollm_dir):
         packaged.check_decoding(tok)
     packaged.repair_tokenizer(tok)
     packaged.check_decoding(tok)
+
+
+def test_the_smollm_params_validate(capsys):
+    """params/smollm.yaml: the smoke run on SmolLM2 (`make demo-smollm`), shown without loading any model."""
+    from scope_lib.cli import main
+
+    assert main(["params", "show", str(REPO / "params" / "smollm.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"model.base = '{SOURCE}'" in out and "model.dialect = 'qwen2.5'" in out
+    params = load_params(REPO / "params" / "smollm.yaml")
+    assert params.run.name == "smollm" and params.selfplay.target_tasks == 4      # the smoke run's sizes
+    assert params.challenger.max_new_tokens_per_turn == params.solver.max_new_tokens_per_turn == 96
