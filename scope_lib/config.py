@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 TaskType = Literal["long_form_qa", "summarisation", "planning", "writing", "short_form_qa"]
-Gate = Literal["entity_identifiability", "source_relevance"]
+Gate = Literal["entity_identifiability", "source_relevance", "answerability"]
 Backend = Literal["hf", "vllm", "openai"]
 
 #: The paper's four training task types (§4.1); short-form QA is defined but not used.
@@ -101,7 +101,8 @@ class UnslothConfig(Section):
 class ModelConfig(Section):
     """The base model M0 from which Challenger, Solver and Judge start (§3)."""
 
-    base: str = Field("Qwen/Qwen3-8B", description="M0: a hub id, a local directory, or 'tiny' (offline).")
+    base: str = Field("Qwen/Qwen3-8B", description="M0: a hub id, a local directory, 'tiny' (offline), or "
+                      "'pypi:<distribution>/<file>' (a GGUF inside an installed package, converted once).")
     loader: Literal["hf", "unsloth"] = Field(
         "hf", description="How training loads M0 and the LoRA roles: 'hf' = transformers + PEFT; 'unsloth' = "
         "Unsloth's FastLanguageModel (from_pretrained, get_peft_model; needs the `unsloth` extra and LoRA). "
@@ -141,7 +142,17 @@ class JudgeConfig(Section):
     grader_model: str | None = Field(None, description="Grader; None = `model` (judge-scaling runs).")
     gates: list[Gate] = Field(
         ["entity_identifiability", "source_relevance"],
-        description="Quality gates QG(q, d) applied to each task (§3.1); all must pass.")
+        description="Quality gates QG(q, d) applied to each task (§3.1); all must pass. 'answerability' (an "
+        "option, off in the paper) is Search Self-Play's RAG check: the Judge answers the task without searching "
+        "from the Challenger's retrieved documents mixed with noise documents, and the answer must reach "
+        "`answerability_threshold` on the task's rubrics.")
+    answerability_threshold: float = Field(
+        0.5, ge=0.0, le=1.0, description="Least rubric score (eq. 1) the Judge's no-search answer must reach for a "
+        "task to pass the 'answerability' gate. SCOPE's tasks have no reference answer, so the rubrics judge it.")
+    answerability_noise_documents: int = Field(
+        4, ge=0, description="Noise documents mixed into the answerability context: retrieved blocks of other "
+        "Challenger rollouts of the same batch (SSP uses 4).")
+    answerability_max_tokens: int = Field(1024, ge=1, description="The Judge's no-search answer budget.")
     gate_temperature: float = Field(0.0, ge=0.0, description="Gate sampling temperature.")
     gate_max_tokens: int | None = Field(
         None, ge=1, description="Gate reply budget; None = 1024 for a Judge that thinks natively (Qwen3), "

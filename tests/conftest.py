@@ -12,6 +12,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
+from fixtures_smollm import smollm_cache, smollm_dir, smollm_tokenizer  # noqa: F401  (session fixtures)
 from fixtures_tiny import shared_data_dir, tiny_corpus, tiny_model_dir, tiny_vllm_model_dir  # noqa: F401  (session fixtures)
 
 REPO = Path(__file__).resolve().parents[1]

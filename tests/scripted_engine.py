@@ -3,7 +3,8 @@
 It reads each decoded context, recognises the role from the prompt templates, and writes what a
 well-behaved model would: the Challenger searches real entities named in the retrieved passages and then
 writes a task naming them; the Solver searches and answers with facts from its results; the Judge gates,
-writes rubrics about the task's entities, and grades a rubric 1 when the answer names its entity. Token
+writes rubrics about the task's entities, grades a rubric 1 when the answer names its entity, and (the
+answerability gate) answers a task without searching by naming those of its entities its documents mention. Token
 ids are the tokenizer's encoding of that text, so masks and budgets are checked for real.
 
 Only for tests: it drives the pipeline's logic; it is never the product.
@@ -42,7 +43,7 @@ class ScriptedEngine:
         self.markers = {role: _opening(name) for role, name in [
             ("challenger", "challenger"), ("solver", "solver"), ("rubrics", "rubric_writer"),
             ("grader", "grader"), ("gate_entity", "gate_entity_identifiability"),
-            ("gate_source", "gate_source_relevance")]}
+            ("gate_source", "gate_source_relevance"), ("answerability", "answerability")]}
 
     # -- engine protocol ---------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling, adapter: str | None = None):
@@ -136,6 +137,13 @@ class ScriptedEngine:
 
     def _gate_source(self, context: str) -> str:
         return "<think>The task follows the source.</think>\n<score>1</score>"
+
+    def _answerability(self, context: str) -> str:
+        documents = context.split("<documents>", 1)[-1].split("</documents>", 1)[0]
+        task = context.split("<task>", 1)[-1].split("</task>", 1)[0]
+        names = task.split("Explain how ", 1)[-1].split(" are connected", 1)[0].split(" and ")
+        found = [n.strip() for n in names if n.strip() and n.strip() in documents]
+        return f"<answer>The documents mention {', '.join(found) or 'none of them'}.</answer>"
 
     def _unknown(self, context: str) -> str:
         return "I do not know what to do."

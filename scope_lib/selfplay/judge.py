@@ -5,6 +5,10 @@ again, together in one more call, with a short corrective instruction (reply wit
 what still does not parse counts as a failed gate, a task without rubrics, or a 0 verdict, and is reported
 in `JudgeStats` (with how many replies the retry rescued).
 
+The `answerability` gate (an option: Search Self-Play's RAG check) is a fourth call on the gate model, made
+after the rubrics exist: `answer` writes one no-search answer per task, which `grade` then scores against the
+task's rubrics (`scope_lib.selfplay.tasks.answerability_check`).
+
 Whether a Judge model thinks natively (Qwen3: its own <think> blocks) is decided per stage from that
 stage's own model, not the policy's: it picks the grader variant, the stop strings and the gate budget.
 """
@@ -30,6 +34,8 @@ T = TypeVar("T")
 
 #: The Judge's three stages, each one batched engine call (plus one retry call).
 STAGES: tuple[str, ...] = ("gates", "rubrics", "grading")
+#: The gate that is not one prompt per task but an answer graded on the rubrics (Judge.answer + Judge.grade).
+ANSWERABILITY = "answerability"
 #: Gate reply budgets when `judge.gate_max_tokens` is None (the authors' settings).
 GATE_TOKENS_THINKING, GATE_TOKENS_PLAIN = 1024, 256
 
@@ -121,8 +127,9 @@ class Judge:
 
     # -- the three stages --------------------------------------------------------------------------
     def gates(self, tasks: list[str], source_documents: list[str]) -> list[GateOutcome]:
-        """Every configured gate for every task, in one call."""
-        gates = list(self.cfg.gates)
+        """Every configured prompt gate for every task, in one call (the answerability gate runs later, once the
+        task has rubrics: `answer`)."""
+        gates = [g for g in self.cfg.gates if g != ANSWERABILITY]
         texts = [prompts.gate_prompt(g, task, doc)
                  for task, doc in zip(tasks, source_documents, strict=True) for g in gates]
         sampling = self._sampling("gates", self.gate_max_tokens, self.cfg.gate_temperature, "</score>")
@@ -150,6 +157,14 @@ class Judge:
         sampling = self._sampling("grading", self.cfg.grading_max_tokens, temp, "</score>")
         return self._run("grading", texts, sampling, parsing.parse_score)
 
+    def answer(self, tasks: list[str], documents: list[list[str]]) -> list[str | None]:
+        """The answerability gate's answers: each task answered from its documents alone, no search, in one call
+        (None = no parseable <answer>)."""
+        texts = [prompts.answerability_prompt(task, docs) for task, docs in zip(tasks, documents, strict=True)]
+        sampling = self._sampling(ANSWERABILITY, self.cfg.answerability_max_tokens, self.cfg.gate_temperature,
+                                  "</answer>")
+        return self._run(ANSWERABILITY, texts, sampling, parsing.extract_answer)
+
     def rubric_weights(self, rubrics: list[Rubric]) -> list[float] | None:
         """w_k of eq. 1: None (uniform, the paper) or by priority."""
         if self.cfg.rubric_weights == "uniform":
@@ -159,7 +174,7 @@ class Judge:
     # -- machinery ---------------------------------------------------------------------------------
     def _sampling(self, stage: str, max_tokens: int, temperature: float, stop: str) -> Sampling:
         # A thinking model may write the closing tag inside its thinking: let it finish instead.
-        stops = () if self.thinking[stage] else (stop,)
+        stops = () if self.thinking[_model_stage(stage)] else (stop,)
         return Sampling(max_new_tokens=max_tokens, temperature=temperature, stop=stops, logprobs=False)
 
     def _seeded(self, sampling: Sampling, stage: str, texts: list[str]) -> Sampling:
@@ -172,7 +187,7 @@ class Judge:
 
     def _run(self, stage: str, texts: list[str], sampling: Sampling,
              parse: Callable[[str], T | None]) -> list[T | None]:
-        engine = self.engines[stage]
+        engine = self.engines[_model_stage(stage)]
         stats = self.stats.stage(stage)
         stats.prompts += len(texts)
         if not texts:
@@ -203,6 +218,12 @@ class Judge:
             log.info("judge %s: %d of %d replies unparseable after %d retry(ies)", stage, len(todo), len(texts),
                      self.cfg.parse_retries)
         return results
+
+
+def _model_stage(stage: str) -> str:
+    """The stage whose model (engine, thinking) serves a call: the answerability gate's answers come from the
+    gate model."""
+    return "gates" if stage == ANSWERABILITY else stage
 
 
 def judge_models(params: Params) -> dict[str, str]:

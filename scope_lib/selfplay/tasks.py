@@ -3,22 +3,24 @@
 `evaluate_tasks` is Algorithm 1 lines 7-12 and 21-24 for a whole batch: Challenger format score, quality
 gates, rubrics, N Solver rollouts, per-rubric grades, the mean rubric score g-bar and R_C (eq. 4, 5).
 `solver_rewards` is R_S (eq. 6, 7) for graded Solver rollouts. Every model call is batched: one engine call
-per rollout turn, one Judge call per stage.
+per rollout turn, one Judge call per stage. `answerability_check` is the optional answerability gate (Search
+Self-Play's RAG check, `judge.gates: [..., answerability]`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from scope_lib.config import Params
+from scope_lib.config import JudgeConfig, Params
 from scope_lib.models.engine import Engine
 from scope_lib.protocol import rewards
 from scope_lib.protocol.dialects import Dialect
 from scope_lib.protocol.parsing import Rubric
 from scope_lib.retrieval.api import Retriever
-from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.judge import ANSWERABILITY, Judge
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
     RolloutLimits,
@@ -72,6 +74,7 @@ class TaskEvaluation:
     verdicts: list[list[int | None]] = field(default_factory=list)
     mean_score: float | None = None
     reward: float = 0.0
+    answerability: float | None = None  # the Judge's no-search answer's rubric score (answerability gate only)
 
     @property
     def outcome(self) -> str:
@@ -159,8 +162,15 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
                                                     contexts), strict=True):
         e.rubrics = rubric_list
 
+    temperature = grading_temperature
+    if temperature is None:
+        temperature = params.judge.difficulty_grading_temperature
+    if ANSWERABILITY in params.judge.gates:
+        answerability_check([e for e in passed if e.rubrics], challengers, judge, params.judge,
+                            seed=params.selfplay.seed if seed is None else seed, temperature=temperature)
+
     # N Solver rollouts per task with rubrics, all in one batched rollout.
-    ready = [e for e in passed if e.rubrics]
+    ready = [e for e in passed if e.rubrics and e.gates_passed]
     solvers = []
     for e in ready:
         for j in range(n_solver):
@@ -175,9 +185,6 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
         limits = replace(limits, seed=seed)
     stats = run_rollouts(solvers, solver_engine, retriever, dialect, limits, adapter=solver_adapter)
 
-    temperature = grading_temperature
-    if temperature is None:
-        temperature = params.judge.difficulty_grading_temperature
     graded = grade_rollouts(solvers, {e.challenger_id: e for e in ready}, judge, temperature=temperature)
     by_task: dict[str, list[GradedSolverRollout]] = {}
     for g in graded:
@@ -192,6 +199,51 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
                                              format_weight=c.format_weight, difficulty_weight=c.difficulty_weight,
                                              target=c.difficulty_target, shape=c.reward_shape)
     return evals, graded, stats
+
+
+def answerability_contexts(tasks: list[Trajectory], batch: list[Trajectory], n_noise: int, seed: int
+                           ) -> list[list[str]]:
+    """Per Challenger rollout in `tasks`: its own retrieved blocks (evidence) and `n_noise` blocks that other
+    rollouts of `batch` retrieved, in an order shuffled by (seed, rollout id)."""
+    contexts = []
+    for traj in tasks:
+        own = traj.evidence
+        pool = list(dict.fromkeys(b for other in batch if other.id != traj.id for b in other.evidence if b not in own))
+        rng = random.Random(f"{seed}/answerability/{traj.id}")
+        docs = own + rng.sample(pool, min(n_noise, len(pool)))
+        rng.shuffle(docs)
+        contexts.append(docs)
+    return contexts
+
+
+def answerability_check(evals: list[TaskEvaluation], batch: list[Trajectory], judge: Judge, cfg: JudgeConfig, *,
+                        seed: int,
+                        temperature: float | None = None) -> None:
+    """The answerability gate, in place (Search Self-Play's RAG check, related-methods.md): for every task with
+    rubrics, the Judge answers it without searching from the Challenger's own retrieved documents mixed with
+    `cfg.answerability_noise_documents` noise documents (one Judge call), the answers are graded on the task's
+    rubrics (one grading call), and the task passes only if that rubric score (eq. 1) reaches
+    `cfg.answerability_threshold`. An answer that does not parse scores 0."""
+    if not evals:
+        return
+    by_id = {t.id: t for t in batch}
+    contexts = answerability_contexts([by_id[e.challenger_id] for e in evals], batch,
+                                      cfg.answerability_noise_documents, seed)
+    answers = judge.answer([e.task for e in evals], contexts)
+    triples, owners = [], []
+    for i, (e, answer) in enumerate(zip(evals, answers, strict=True)):
+        if answer is not None:
+            triples += [(e.task, answer, r.text) for r in e.rubrics]
+            owners += [(i, k) for k in range(len(e.rubrics))]
+    verdicts: list[list[int | None]] = [[0] * len(e.rubrics) for e in evals]
+    if triples:
+        results = judge.grade(*map(list, zip(*triples, strict=True)), temperature=temperature)
+        for (i, k), verdict in zip(owners, results, strict=True):
+            verdicts[i][k] = verdict
+    for e, v in zip(evals, verdicts, strict=True):
+        e.answerability = rewards.rubric_score(v, judge.rubric_weights(e.rubrics))
+        e.gates[ANSWERABILITY] = int(e.answerability >= cfg.answerability_threshold)
+        e.gates_passed = e.gates_passed and e.gates[ANSWERABILITY] == 1
 
 
 def grade_rollouts(solvers: list[Trajectory], tasks: dict[str, TaskEvaluation], judge: Judge, *,

@@ -45,7 +45,7 @@ from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
 from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.corpus import Passage, permutation_slice, read_corpus
 from scope_lib.retrieval.index import build_or_open_index
-from scope_lib.selfplay.judge import make_judge
+from scope_lib.selfplay.judge import ANSWERABILITY, make_judge
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
     RolloutLimits,
@@ -676,7 +676,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     gate_replies, passed = [], []
     for i, (task, doc) in enumerate(pairs):
         verdicts = []
-        for gate in params.judge.gates:
+        for gate in (g for g in params.judge.gates if g != ANSWERABILITY):   # the prompt gates
             verdict, reply = judge_teacher.gate(gate, task, doc)
             stats.count(f"gate {gate}", verdict)
             gate_replies.append(reply)
