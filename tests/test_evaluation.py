@@ -311,15 +311,18 @@ def test_evaluation_judges_default_to_the_paper_and_can_be_overridden():
         load_params(None, ["evaluation.benchmarks=[nq, gsm8k]"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and vLLM (the gpu extra)")
-def test_vllm_policies_register_adapters(params, tiny_model_dir, tmp_path):
+def test_vllm_policies_register_adapters(params, tiny_vllm_model_dir, tmp_path):
+    """`scope eval` with engine.backend vllm: a checkpoint's adapter is registered on the vLLM engine (vLLM's CPU
+    build here; the tiny variant with head size 64)."""
     from scope_lib.models.vllm_engine import VLLMEngine
 
-    make_adapter(tiny_model_dir, tmp_path / "iter_05" / "solver" / "adapter", seed=5)
-    engine = VLLMEngine(tiny_model_dir, enable_lora=True, max_lora_rank=8, gpu_memory_utilization=0.3,
-                        max_model_len=1024, enforce_eager=True)
-    vparams = params.model_copy(update={"engine": params.engine.model_copy(update={"backend": "vllm"})})
-    policies = open_policies(vparams, ["base", str(tmp_path / "iter_05" / "solver")], engine=engine)
-    adapter = [p for p in policies.values() if p.adapter][0]
-    assert adapter.adapter in engine._adapters
+    make_adapter(tiny_vllm_model_dir, tmp_path / "iter_05" / "solver" / "adapter", seed=5)
+    engine = VLLMEngine(tiny_vllm_model_dir, enable_lora=True, max_lora_rank=8, max_model_len=512, threads=1,
+                        kv_cache_gib=0.25)
+    try:
+        vparams = params.model_copy(update={"engine": params.engine.model_copy(update={"backend": "vllm"})})
+        policies = open_policies(vparams, ["base", str(tmp_path / "iter_05" / "solver")], engine=engine)
+        adapter = [p for p in policies.values() if p.adapter][0]
+        assert adapter.adapter in engine._adapters
+    finally:
+        engine.close()
