@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from scope_lib.config import BENCHMARK_NAMES, Params
 from scope_lib.evaluation import scorers as S
-from scope_lib.runs import atomic_write_json
+from scope_lib.runs import atomic_write_json, sha256_file
 from scope_lib.selfplay.rollout import solver_messages
 
 log = logging.getLogger(__name__)
@@ -674,7 +674,7 @@ def fetch_benchmark(name: str, folder: str | os.PathLike) -> Path:
             f"local files.") from None
     atomic_write_json(folder / "SOURCE.json", {
         "benchmark": name, "source": asdict(source), "revision": resolved, "fetched": time.time(),
-        "files": {local: {"from": origin, "sha256": file_sha256(folder / local)} for local, origin in fetched.items()}})
+        "files": {local: {"from": origin, "sha256": sha256_file(folder / local)} for local, origin in fetched.items()}})
     return folder
 
 
@@ -698,14 +698,6 @@ def _write_rows(dest: Path, rows) -> None:
         for row in rows:
             fh.write(json.dumps(_plain(row), ensure_ascii=False, default=str) + "\n")
     tmp.replace(dest)
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_benchmark(params: Params, name: str) -> LoadResult:
@@ -772,7 +764,7 @@ def select_items(params: Params, name: str) -> tuple[list[Item], dict[str, Any]]
                                      f"(e.g. {missing[:3]}); the source changed since the sample was drawn")
         return [by_id[i] for i in manifest["ids"]], manifest
     chosen = subsample([item.id for item in loaded.items], e.max_examples, e.sample_seed, e.sample_method)
-    files = {str(p): file_sha256(p) for p in loaded.files}
+    files = {str(p): sha256_file(p) for p in loaded.files}
     source_record = benchmark_dir(params, name) / "SOURCE.json"
     manifest = {"benchmark": name, **wanted, "n_total": len(loaded.items), "n_selected": len(chosen),
                 "ids": chosen, "ids_sha256": ids_sha256(chosen), "files": files,
