@@ -29,14 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tables import markdown_table  # noqa: E402  (benchmarks/, beside this script)
+
 LOADERS = ("hf", "unsloth")
-
-
-def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 class PeakRSS:
@@ -183,7 +178,7 @@ def main() -> None:
                 "load avg": f"{min(r['load'] for r in runs[loader]):.1f}-{max(r['load'] for r in runs[loader]):.1f}"})
     print(f"{args.rows} rollouts x {args.tokens} tokens per step, {args.steps} steps, {args.threads} torch "
           f"thread(s), checkpointing {'on' if args.checkpointing else 'off'}, {args.repeats} processes per cell\n")
-    print(_table(rows))
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

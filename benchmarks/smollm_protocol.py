@@ -22,14 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tables import markdown_table  # noqa: E402  (benchmarks/, beside this script)
+
 from scope_lib.config import load_params  # noqa: E402
-
-
-def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -85,7 +80,7 @@ def main() -> None:
         rows.append({"batch": batch, "context tokens": len(ids), "tokens": tokens, "s": round(seconds, 1),
                      "tokens/s": round(tokens / seconds, 1)})
     if rows:
-        print("## Generation speed (HF engine, sampling at T = 1)\n\n" + _table(rows) + "\n", flush=True)
+        print("## Generation speed (HF engine, sampling at T = 1)\n\n" + markdown_table(rows) + "\n", flush=True)
 
     retriever = build_or_open_index(params, progress=False)
     rows = []
@@ -103,13 +98,13 @@ def main() -> None:
                      "s": round(time.perf_counter() - t0, 1)})
         for e in evals[:4]:
             print(f"- task: {e.task!r}\n  rubrics: {[r.text for r in e.rubrics or []]}\n", flush=True)
-    print(f"## Protocol rates on {len(documents)} held-out documents (prompt seed 0)\n\n" + _table(rows) + "\n")
+    print(f"## Protocol rates on {len(documents)} held-out documents (prompt seed 0)\n\n" + markdown_table(rows) + "\n")
 
     probe_documents = held_out[:args.probe_documents]
     t0 = time.perf_counter()
     probe = grader_sensitivity(make_judge(params, lambda _m: engine), probe_documents, Names(tokenizer))
     print(f"## Grader sensitivity on {len(probe_documents)} held-out documents "
-          f"({time.perf_counter() - t0:.0f} s)\n\n" + _table([probe.table()]))
+          f"({time.perf_counter() - t0:.0f} s)\n\n" + markdown_table([probe.table()]))
 
 
 if __name__ == "__main__":

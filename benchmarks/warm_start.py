@@ -24,17 +24,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tables import markdown_table  # noqa: E402  (benchmarks/, beside this script)
+
 from scope_lib.config import load_params  # noqa: E402
 from scope_lib.models.loading import load_model_and_tokenizer  # noqa: E402
 from scope_lib.models.tiny import describe_tiny  # noqa: E402
 from scope_lib.smoke.warm_start import warm_model_path  # noqa: E402
-
-
-def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def time_builds(params, n: int) -> list[dict]:
@@ -88,13 +83,13 @@ def main() -> None:
     params = load_params(args.params)
     if args.builds:
         print("## Warm-start build (fresh cache each time)\n")
-        print(_table(time_builds(params, args.builds)) + "\n")
+        print(markdown_table(time_builds(params, args.builds)) + "\n")
 
     path = warm_model_path(params.corpus_path, params.model.tiny)
     model, tokenizer = load_model_and_tokenizer(path, dtype="float32", device="cpu")
     engine = HFEngine(model, tokenizer)
     print("## Model\n")
-    print(_table([describe_tiny(path)]) + "\n")
+    print(markdown_table([describe_tiny(path)]) + "\n")
 
     passages = read_corpus(params.corpus_path).passages
     documents = held_out_documents(passages, params.model.tiny.warm_start)[:args.documents]
@@ -105,7 +100,7 @@ def main() -> None:
                                       document_max_tokens=sp.document_max_tokens)
     contexts = [t.prompt_ids for t in challenger_trajectories(prompts, get_dialect(params.model.dialect), tokenizer)]
     print("## Generation speed (HF engine, one batched call, sampling at T = 1)\n")
-    print(_table([generation_speed(engine, tokenizer, contexts[:1], 48),
+    print(markdown_table([generation_speed(engine, tokenizer, contexts[:1], 48),
                   generation_speed(engine, tokenizer, contexts, 48)]) + "\n")
 
     retriever = build_or_open_index(params, progress=False)
@@ -117,7 +112,7 @@ def main() -> None:
                                      seed=seed)
         rows.append({"seed": seed, **rates.table(), "s": round(time.perf_counter() - started, 1)})
     print(f"## Protocol rates on {len(documents)} held-out documents\n")
-    print(_table(rows) + "\n")
+    print(markdown_table(rows) + "\n")
 
     # Do the grades follow the answer? Controlled pairs on more held-out documents (the rollouts' own answers
     # rarely hold a rubric's fact, so their grades cannot tell a reading grader from a blind one).
@@ -125,7 +120,7 @@ def main() -> None:
     probe = grader_sensitivity(make_judge(params, lambda _m: engine), probe_documents, Names(tokenizer))
     print(f"## Grader sensitivity on {len(probe_documents)} held-out documents (grading temperature "
           f"{params.judge.grading_temperature}; the Judge seeds itself, so one run)\n")
-    print(_table([probe.table()]))
+    print(markdown_table([probe.table()]))
 
 
 if __name__ == "__main__":
