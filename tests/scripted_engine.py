@@ -147,3 +147,18 @@ class ScriptedEngine:
 
     def _unknown(self, context: str) -> str:
         return "I do not know what to do."
+
+
+def scripted_run_params(data_dir, runs_dir, **overrides):
+    """The smoke params with turn and Judge budgets roomy enough for the scripted engine's replies (hashing
+    embedder, no model download); `overrides` are more dotted keys."""
+    from pathlib import Path
+
+    from scope_lib.config import load_params
+
+    return load_params(Path(__file__).resolve().parents[1] / "params" / "smoke.yaml", {
+        "run.runs_dir": str(runs_dir), "run.data_dir": str(data_dir),
+        "retrieval.embedder": "hashing", "challenger.max_new_tokens_per_turn": 256,
+        "challenger.max_response_tokens": 4096, "solver.max_new_tokens_per_turn": 256,
+        "solver.max_response_tokens": 4096, "retrieval.max_result_tokens": 200,
+        "judge.rubric_max_tokens": 512, "judge.gate_max_tokens": 64, "judge.grading_max_tokens": 64, **overrides})

@@ -6,10 +6,8 @@ task's entities that its documents mention, and grades a rubric 1 when the answe
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, scripted_run_params
 
 from scope_lib.config import load_params
 from scope_lib.protocol import rewards
@@ -24,19 +22,13 @@ from scope_lib.selfplay.rollout import (
 )
 from scope_lib.selfplay.tasks import answerability_contexts, challenger_limits, evaluate_tasks
 
-REPO = Path(__file__).resolve().parents[1]
 DIALECT = get_dialect("qwen2.5")
 
 
 @pytest.fixture(scope="module")
 def params(wiki_sample, tmp_path_factory):
-    return load_params(REPO / "params" / "smoke.yaml", {
-        "run.runs_dir": str(tmp_path_factory.mktemp("runs")), "run.data_dir": str(wiki_sample.parent),
-        "retrieval.embedder": "hashing", "challenger.max_new_tokens_per_turn": 256,
-        "challenger.max_response_tokens": 4096, "solver.max_new_tokens_per_turn": 256,
-        "solver.max_response_tokens": 4096, "retrieval.max_result_tokens": 200,
-        "judge.rubric_max_tokens": 512, "judge.gate_max_tokens": 64, "judge.grading_max_tokens": 64,
-        "judge.answerability_max_tokens": 128})
+    return scripted_run_params(wiki_sample.parent, tmp_path_factory.mktemp("runs"),
+                               **{"judge.answerability_max_tokens": 128})
 
 
 def _gated(params, overrides):

@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, scripted_run_params
 
-from scope_lib.config import load_params
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.api import Hit
 from scope_lib.selfplay.judge import Judge
@@ -35,12 +34,7 @@ DIALECTS = ["qwen2.5", "qwen3", "olmo3"]
 
 @pytest.fixture(scope="module")
 def params(wiki_sample, tmp_path_factory):
-    return load_params(REPO / "params" / "smoke.yaml", {
-        "run.runs_dir": str(tmp_path_factory.mktemp("runs")), "run.data_dir": str(wiki_sample.parent),
-        "retrieval.embedder": "hashing", "challenger.max_new_tokens_per_turn": 256,
-        "challenger.max_response_tokens": 4096, "solver.max_new_tokens_per_turn": 256,
-        "solver.max_response_tokens": 4096, "retrieval.max_result_tokens": 200,
-        "judge.rubric_max_tokens": 512, "judge.gate_max_tokens": 64, "judge.grading_max_tokens": 64})
+    return scripted_run_params(wiki_sample.parent, tmp_path_factory.mktemp("runs"))
 
 
 def _challenger_batch(passages, dialect, tok, n=6):
