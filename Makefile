@@ -30,8 +30,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/scope run $(PARAMS)
 
-# The notebooks on SmolLM2-135M-Instruct (params/smollm.yaml; issue 23) -> runs/smollm/reports/. Zero-shot: the warm
-# start that would teach it the protocol is not built yet (docs/smoke-model.md, "The real model").
+# The notebooks on SmolLM2-135M-Instruct (params/smollm.yaml; issue 23) -> runs/smollm/reports/: warm-started on the
+# teacher's traces (LoRA, merged; built once and cached), generating through vLLM's CPU build. Not `make demo`: the
+# warm start alone takes longer than the demo's 10-minute budget (docs/smoke-model.md, "The real model").
 demo-smollm: $(STAMP)
 	$(BIN)/scope run params/smollm.yaml $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS))
 

@@ -109,7 +109,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     params = load_params(args.params)
-    path = warm_model_path(params.corpus_path, params.model.tiny)
+    path = warm_model_path(params.corpus_path, params.model.tiny, params.model.warm_start)
     model, tok = load_model_and_tokenizer(path, dtype="float32", device="cpu")
     model.train()
 
@@ -117,7 +117,7 @@ def main() -> None:
         return _encode_user(tok, text) if user else tok.encode(text, add_special_tokens=False)
 
     names = Names(tok)
-    pool, held = split_documents(read_corpus(params.corpus_path).passages, params.model.tiny.warm_start)
+    pool, held = split_documents(read_corpus(params.corpus_path).passages, params.model.warm_start)
     rng = random.Random(0)
     kinds = ["short"] if args.prompt == "short" else ["short", "full"] if args.short_steps else ["full"]
     tests = {kind: grade_examples(held, names, encode, kind == "short", random.Random(1)) for kind in kinds}

@@ -73,7 +73,7 @@ def child(loader: str, size: str, steps: int, rows: int, tokens: int, checkpoint
     hidden, layers = (int(x) for x in size.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
         params = load_params(REPO / "params" / "smoke.yaml", {
-            "run.runs_dir": tmp, "model.loader": loader, "model.tiny.warm_start.enabled": False,
+            "run.runs_dir": tmp, "model.loader": loader, "model.warm_start.enabled": False,
             "model.tiny.hidden_size": hidden, "model.tiny.num_layers": layers,
             "model.tiny.num_heads": max(2, hidden // 64), "grpo.group_size": 2, "solver.batch_size": rows // 2,
             "grpo.per_device_batch_size": rows, "grpo.gradient_checkpointing": checkpointing,

@@ -1,12 +1,15 @@
-"""SmolLM2-135M-Instruct zero-shot on SCOPE's protocol (issue 23): the GGUF conversion's time, generation speed, the
-protocol rates of `scope_lib.smoke.protocol_check.measure_protocol` on documents the tiny model's teacher never read,
-the grader-sensitivity probe, and the share of tasks the answerability gate rejects. Numbers only, no targets: the
-warm start that would teach SmolLM2 the protocol is not built yet.
+"""The protocol table of issue 23: each model's warm start measured by `scope_lib.smoke.protocol_check` on documents
+its teacher never read, side by side (by default the tiny smoke model and SmolLM2-135M-Instruct): task rate, answer
+rate, Judge parse rate, rubrics naming a fact of their source, answers naming a fact their own searches
+retrieved, and the grader's separation (held vs missed fact). With `--answerability`, a second pass per model with
+Search Self-Play's answerability gate added: the share of tasks it rejects and the kept tasks' difficulty.
 
-    python benchmarks/smollm_protocol.py --documents 2 --probe-documents 8 [--answerability]
+    python benchmarks/smollm_protocol.py [--params params/smoke.yaml params/smollm.yaml] --documents 8
+        [--probe-documents 16] [--answerability] [--zero-shot]
 
-Uses params/smollm.yaml (HF engine, `engine.torch_threads`); the conversion runs in a fresh temporary cache with
-`--fresh`, else it is reused from ~/.cache/scope/packaged. Prints markdown tables.
+Each params file is prepared as a run would (`smoke.warm_start.prepare`: the warm-started model is built on first
+use, then reused from the cache) and generates through its own `engine.backend` (vLLM's CPU build for
+params/smollm.yaml). `--zero-shot` measures the models without their warm start. Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,84 +29,87 @@ from tables import markdown_table  # noqa: E402  (benchmarks/, beside this scrip
 from scope_lib.config import load_params  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", default=str(REPO / "params" / "smollm.yaml"))
-    parser.add_argument("--documents", type=int, default=4, help="held-out documents for the protocol rates")
-    parser.add_argument("--probe-documents", type=int, default=16, help="held-out documents for the grader probe")
-    parser.add_argument("--fresh", action="store_true", help="time the conversion in a fresh temporary cache")
-    parser.add_argument("--answerability", action="store_true",
-                        help="measure a second time with the answerability gate added")
-    parser.add_argument("--no-speed", action="store_true", help="skip the generation-speed table")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.2f} ({part}/{whole})" if whole else "- (0/0)"
 
+
+def measure(params_path: str, args) -> list[dict]:
     import torch
 
-    from scope_lib.models import packaged
-    from scope_lib.models.engine import Sampling
-    from scope_lib.models.hf_engine import HFEngine
-    from scope_lib.models.loading import apply_torch_threads, load_model_and_tokenizer
+    from scope_lib.models.loading import apply_torch_threads, make_engine
     from scope_lib.retrieval.corpus import read_corpus
     from scope_lib.retrieval.index import build_or_open_index
     from scope_lib.selfplay.judge import make_judge
     from scope_lib.smoke.protocol_check import grader_sensitivity, measure_protocol
     from scope_lib.smoke.teacher import Names, held_out_documents
+    from scope_lib.smoke.warm_start import prepare
 
-    params = load_params(args.params)
+    overrides = ["model.warm_start.enabled=false"] if args.zero_shot else []
+    params = load_params(params_path, overrides)
     apply_torch_threads(params)
-    load = os.getloadavg()[0]
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as cache:
-        path = packaged.packaged_model_path(params.model.base, cache_dir=cache if args.fresh else None)
-        convert_s = time.perf_counter() - started
-        model, tokenizer = load_model_and_tokenizer(path, dtype=params.model.dtype, device="cpu")
-    print(f"## Conversion\n\n{'fresh' if args.fresh else 'cached'}: {convert_s:.1f} s (load average {load:.1f}), "
-          f"torch threads {torch.get_num_threads()}\n")
-    engine = HFEngine(model, tokenizer, max_model_len=params.model.max_model_len)
-
-    passages = read_corpus(params.corpus_path).passages
-    held_out = held_out_documents(passages, params.model.tiny.warm_start)
-    documents = held_out[:args.documents]
-
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": documents[0].document[:600]}],
-                                           tokenize=False, add_generation_prompt=True)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    rows = []
-    for batch in () if args.no_speed else (1, 8):
-        t0 = time.perf_counter()
-        out = engine.generate([ids] * batch, Sampling(max_new_tokens=64, temperature=1.0, seed=0))
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(c.token_ids) for c in out)
-        rows.append({"batch": batch, "context tokens": len(ids), "tokens": tokens, "s": round(seconds, 1),
-                     "tokens/s": round(tokens / seconds, 1)})
-    if rows:
-        print("## Generation speed (HF engine, sampling at T = 1)\n\n" + markdown_table(rows) + "\n", flush=True)
-
+    prepare(params)
+    prepare_s = time.perf_counter() - started
+    engine = make_engine(params)
+    judge = make_judge(params, lambda _m: engine)
     retriever = build_or_open_index(params, progress=False)
+    held_out = held_out_documents(read_corpus(params.corpus_path).passages, params.model.warm_start)
+    label = f"{Path(params_path).stem} ({params.model.base}{', zero-shot' if args.zero_shot else ''})"
     rows = []
-    variants = [list(params.judge.gates)] + ([[*params.judge.gates, "answerability"]] if args.answerability else [])
-    for gates in variants:
+    gate_sets = [list(params.judge.gates)]
+    if args.answerability:
+        gate_sets.append([*params.judge.gates, "answerability"])
+    for gates in gate_sets:
         p = params.model_copy(update={"judge": params.judge.model_copy(update={"gates": gates})})
         torch.manual_seed(0)
         t0 = time.perf_counter()
         rates, evals, _graded, _ = measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
-                                                    documents, seed=0)
+                                                    held_out[:args.documents], seed=0)
+        seconds = time.perf_counter() - t0
         asked = [e for e in evals if e.answerability is not None]
-        rows.append({"gates": ", ".join(gates), **rates.table(),
-                     "answerability rejected": f"{sum(not e.gates.get('answerability') for e in asked)}/{len(asked)}",
-                     "answerability scores": [round(e.answerability, 2) for e in asked],
-                     "s": round(time.perf_counter() - t0, 1)})
-        for e in evals[:4]:
-            print(f"- task: {e.task!r}\n  rubrics: {[r.text for r in e.rubrics or []]}\n", flush=True)
-    print(f"## Protocol rates on {len(documents)} held-out documents (prompt seed 0)\n\n" + markdown_table(rows) + "\n")
-
-    probe_documents = held_out[:args.probe_documents]
+        kept = [e.mean_score for e in evals if e.mean_score is not None]
+        row = {"model": label, "gates": ", ".join(gates),
+               "Challenger task rate": _share(rates.challenger_tasks, rates.challenger_rollouts),
+               "Solver answer rate": _share(rates.solver_answers, rates.solver_rollouts),
+               "Judge parse rate": f"{rates.judge_rate():.2f}",
+               "rubrics naming a source fact": _share(rates.rubric_facts_in_source, rates.rubric_facts),
+               "answers naming a retrieved fact": _share(rates.answers_citing_results, rates.answers_searched),
+               "mean g-bar of graded tasks": round(sum(kept) / len(kept), 3) if kept else None,
+               "tasks in window": f"{rates.tasks_in_window}/{rates.tasks_graded}"}
+        if "answerability" in gates:
+            row["answerability rejected"] = _share(sum(not e.gates.get("answerability") for e in asked), len(asked))
+        row["s"] = round(seconds, 1)
+        rows.append(row)
+        for e in evals[:args.show]:
+            print(f"- [{label}] task: {e.task!r}\n  rubrics: {[r.text for r in e.rubrics or []]}", flush=True)
     t0 = time.perf_counter()
-    probe = grader_sensitivity(make_judge(params, lambda _m: engine), probe_documents, Names(tokenizer))
-    print(f"## Grader sensitivity on {len(probe_documents)} held-out documents "
-          f"({time.perf_counter() - t0:.0f} s)\n\n" + markdown_table([probe.table()]))
+    names = Names(engine.tokenizer, params.model.warm_start.fact_max_tokens)
+    probe = grader_sensitivity(judge, held_out[:args.probe_documents], names)
+    rows[0]["grader separation"] = (f"{probe.separation:.2f} ({probe.holds_1}/{probe.holds} vs "
+                                    f"{probe.misses_1}/{probe.misses}; {probe.unparsed} unparsed)")
+    rows[0]["probe s"] = round(time.perf_counter() - t0, 1)
+    rows[0]["warm start ready s"] = round(prepare_s, 1)
+    if hasattr(engine, "close"):
+        engine.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", nargs="+", default=[str(REPO / "params" / "smoke.yaml"),
+                                                          str(REPO / "params" / "smollm.yaml")])
+    parser.add_argument("--documents", type=int, default=8, help="held-out documents for the protocol rates")
+    parser.add_argument("--probe-documents", type=int, default=16, help="held-out documents for the grader probe")
+    parser.add_argument("--answerability", action="store_true",
+                        help="measure a second time with the answerability gate added")
+    parser.add_argument("--zero-shot", action="store_true", help="measure the models without their warm start")
+    parser.add_argument("--show", type=int, default=3, help="tasks and rubrics to print per measurement")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rows = [row for path in args.params for row in measure(path, args)]
+    print(f"\n## Protocol on {args.documents} held-out documents (prompt seed 0), grader probe on "
+          f"{args.probe_documents}; load average {os.getloadavg()[0]:.1f}\n\n" + markdown_table(rows))
 
 
 if __name__ == "__main__":

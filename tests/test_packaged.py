@@ -143,3 +143,28 @@ def test_the_smollm_params_validate(capsys):
     params = load_params(REPO / "params" / "smollm.yaml")
     assert params.run.name == "smollm" and params.selfplay.target_tasks == 4      # the smoke run's sizes
     assert params.challenger.max_new_tokens_per_turn == params.solver.max_new_tokens_per_turn == 96
+
+
+def test_vllm_detokenizes_smollm2_like_its_tokenizer(smollm_dir: Path, smollm_tokenizer):
+    """Issue 23's trap: with the tokenizer converted from the GGUF, vLLM's chat endpoint wrote "Yes, Parisis
+    thecapitalofFrance". vLLM's own incremental detokenizer (what its servers return) must give the text the saved
+    tokenizer decodes, spaces included, on a greedy chat answer of the real model."""
+    pytest.importorskip("vllm")
+    import llvmlite.binding.ffi  # noqa: F401  (the suite loads it through bm25s -> numba; vLLM must start anyway)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from scope_lib.models.vllm_engine import VLLMEngine
+
+    tok = smollm_tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? One sentence."}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    engine = VLLMEngine(smollm_dir, tokenizer=tok, max_model_len=512, kv_cache_gib=0.25, threads=2)
+    try:
+        out = engine.llm.generate([TokensPrompt(prompt_token_ids=list(ids))],
+                                  SamplingParams(max_tokens=24, temperature=0.0, skip_special_tokens=True),
+                                  use_tqdm=False)[0].outputs[0]
+    finally:
+        engine.close()
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    assert "Paris" in out.text and len(out.text.split()) >= 4          # words, with their spaces

@@ -146,7 +146,7 @@ def test_the_loader_never_builds_a_warm_start(small_corpus, tmp_path, monkeypatc
     """A warm-started tiny model is prepared above the loader (smoke.warm_start.prepare); the loader refuses to
     guess it and loads whatever folder was recorded for the name."""
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path))
-    params = validate_params({"model": {"base": "tiny", "tiny": {**SMALL, "warm_start": {"enabled": True}}},
+    params = validate_params({"model": {"base": "tiny", "tiny": SMALL, "warm_start": {"enabled": True}},
                               "retrieval": {"corpus": str(small_corpus)}})
     with pytest.raises(ModelNotPrepared, match="prepare"):
         model_source(params)

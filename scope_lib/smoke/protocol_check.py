@@ -5,7 +5,8 @@ model's warm start (`scope_lib.tiny`, `scope_lib.smoke.teacher`) is judged by; i
 that editing a measurement does not change the teacher's fingerprint and rebuild cached models.
 
     rates, evals, graded, trajectories = measure_protocol(params, engine, judge, retriever, documents)
-    probe = grader_sensitivity(judge, documents, Names(tokenizer))   # do the grades follow the answer?
+    probe = grader_sensitivity(judge, documents, Names(tokenizer, k))   # do the grades follow the answer?
+    grounding = rubric_grounding(judge, documents, Names(tokenizer, k))  # do the rubrics copy the source?
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def measure_protocol(params: Params, policy, judge: Judge, retriever: Retriever,
     rates.challenger_groups = len(by_prompt)
     rates.challenger_groups_with_spread = sum(max(v) > min(v) for v in by_prompt.values())
     rates.mean_challenger_reward = _share(sum(e.reward for e in evals), len(evals))
-    _check_content(rates, evals, graded, {d.id: d.document for d in documents}, Names(policy.tokenizer))
+    _check_content(rates, evals, graded, {d.id: d.document for d in documents}, Names(policy.tokenizer, params.model.warm_start.fact_max_tokens))
     return rates, evals, graded, trajectories
 
 
@@ -243,4 +244,45 @@ def grader_sensitivity(judge: Judge, documents: Sequence[Passage], names: Names,
             out.holds, out.holds_1 = out.holds + 1, out.holds_1 + verdict
         else:
             out.misses, out.misses_1 = out.misses + 1, out.misses_1 + verdict
+    return out
+
+
+@dataclass
+class RubricGrounding:
+    """The rubric writer on controlled tasks: how many of its rubrics name a fact ("Mentions X.") that the source
+    document holds. Copying a fact from the source is reading; a model that does not read names facts from
+    elsewhere (the tiny model: frequent names of its training traces) or writes nothing that parses."""
+
+    tasks: int = 0
+    unparsed: int = 0        # rubric sets that did not parse (after the Judge's retry)
+    rubrics: int = 0
+    in_source: int = 0       # ... whose fact the source holds (other than the task's own subject)
+
+    @property
+    def rate(self) -> float:
+        return _share(self.in_source, self.rubrics)
+
+    def table(self) -> dict[str, Any]:
+        return {"rubrics naming a source fact": f"{self.in_source}/{self.rubrics}", "rate": round(self.rate, 3),
+                "rubric sets unparsed": f"{self.unparsed}/{self.tasks}"}
+
+
+def rubric_grounding(judge: Judge, documents: Sequence[Passage], names: Names, *,
+                     task_type: str = "summarisation") -> RubricGrounding:
+    """Rubrics for the probe task of each document with at least four facts (`probe_case`: "Summarise what is
+    known about <its first fact>.") from that document as the source, in one Judge call; counts the rubrics
+    whose fact the source holds, other than the subject the task already names (copying that needs no reading
+    of the source)."""
+    cases = [(doc, case) for doc in documents if (case := probe_case(doc, names)) is not None]
+    sets = judge.rubrics([task_type] * len(cases), [case.task for _doc, case in cases],
+                         [[doc.document] for doc, _case in cases])
+    out = RubricGrounding(tasks=len(cases))
+    for (doc, case), rubrics in zip(cases, sets, strict=True):
+        if rubrics is None:
+            out.unparsed += 1
+            continue
+        for rubric in rubrics:
+            fact = rubric_fact(rubric.text)
+            out.rubrics += 1
+            out.in_source += mentions(doc.document, fact) and not mentions(case.task, fact)
     return out

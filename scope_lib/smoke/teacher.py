@@ -24,7 +24,7 @@ quality (fewer searches, tasks naming fewer entities, generic tasks, answers hol
 facts), so that sampled rollouts of the warmed model differ within a GRPO group and better behaviour earns
 more reward: a perfect teacher would leave self-play nothing to improve.
 
-    examples, stats = teacher_examples(tokenizer, corpus_path, cfg.warm_start, index_dir)
+    examples, stats = teacher_examples(tokenizer, corpus_path, params.model.warm_start, index_dir)
 """
 
 from __future__ import annotations
@@ -148,21 +148,24 @@ _YEAR = re.compile(r"1[5-9]\d\d|20[0-4]\d")
 
 
 class Names:
-    """The names and facts a tiny model can copy: capitalised words and numbers that are ONE token of its
-    tokenizer (written with a leading space, as they appear inside text). Multi-token names are skipped:
-    copying them needs induction heads, which a tiny model does not learn in a CPU budget."""
+    """The names and facts a model can copy: capitalised words and numbers of at most `max_tokens` tokens of its
+    tokenizer (written with a leading space, as they appear inside text; `model.warm_start.fact_max_tokens`).
+    The tiny model gets 1: copying longer names needs induction heads, which it does not learn in a CPU budget;
+    a pretrained model copies longer ones."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._single: dict[str, bool] = {}
+    def __init__(self, tokenizer, max_tokens: int = 1):
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self._short: dict[str, bool] = {}
 
     def single(self, word: str) -> bool:
-        if word not in self._single:
-            self._single[word] = len(self.tokenizer.encode(" " + word, add_special_tokens=False)) == 1
-        return self._single[word]
+        """Whether `word` is short enough to be a fact (at most `max_tokens` tokens)."""
+        if word not in self._short:
+            n = len(self.tokenizer.encode(" " + word, add_special_tokens=False))
+            self._short[word] = n <= self.max_tokens
+        return self._short[word]
 
     def names(self, text: str, exclude: Sequence[str] = ()) -> list[str]:
-        """Single-token capitalised words of `text` in order, without repeats; a word that starts a sentence
+        """Short capitalised words (`single`) of `text` in order, without repeats; a word that starts a sentence
         (or a line) does not count, nor common function words."""
         skip = {e.lower() for e in exclude}
         found: list[str] = []
@@ -177,7 +180,7 @@ class Names:
         return found
 
     def facts(self, text: str, exclude: Sequence[str] = ()) -> list[str]:
-        """Checkable single-token facts of `text` in order: names and years."""
+        """Checkable short facts of `text` in order: names and years."""
         skip = {e.lower() for e in exclude}
         names = set(self.names(text, exclude))
         found: list[str] = []
@@ -533,15 +536,11 @@ class JudgeTeacher:
 
 # -- name swapping ---------------------------------------------------------------------------------------
 
-#: Share of SFT examples whose names are swapped, consistently within the example, for other names of the
-#: vocabulary (the entity anonymisation of reading-comprehension datasets). Without it a tiny model memorises
-#: which name goes with which document; with it the only way to lower the loss is to copy names from the
-#: context, which is what every role needs.
-NAME_SWAP_SHARE = 0.75
+#: Names are swapped (`model.warm_start.name_swap_share` of the examples), consistently within an example, for
+#: other names of the vocabulary (the entity anonymisation of reading-comprehension datasets). Without it a tiny
+#: model memorises which name goes with which document; with it the only way to lower the loss is to copy
+#: names from the context, which is what every role needs. They are drawn from the SWAP_POOL most frequent ones.
 SWAP_POOL = 1000
-#: Times each example of a role appears per SFT pass: the rubric writer's reply is the longest structure to
-#: learn from the fewest examples (one per task).
-ROLE_REPEATS = {"rubrics": 6, "challenger": 2, "solver": 2}
 _SWAPPABLE = re.compile(r"^ [A-Z][a-z]{2,}$")
 
 
@@ -571,10 +570,12 @@ def swap_names(example: Example, names: Sequence[int], name_set: set[int], rng: 
     return Example(example.role, [mapping.get(t, t) for t in example.input_ids], list(example.completion_mask))
 
 
-def sft_passes(examples: list[Example], tokenizer, epochs: float, seed: int) -> list[Example]:
-    """`epochs` passes over the shuffled examples (a fractional last pass takes a prefix), each example's
-    names swapped with probability NAME_SWAP_SHARE by a fresh draw in every pass, for names of the SWAP_POOL
-    most frequent ones (so every name the model learns to write is one it has read often)."""
+def sft_passes(examples: list[Example], tokenizer, cfg: WarmStartConfig) -> list[Example]:
+    """`cfg.epochs` passes over the shuffled examples (each repeated `cfg.role_repeats` times for its role; a
+    fractional last pass takes a prefix), each example's names swapped with probability `cfg.name_swap_share`
+    by a fresh draw in every pass, for names of the SWAP_POOL most frequent ones (so every name the model learns
+    to write is one it has read often)."""
+    epochs, seed = cfg.epochs, cfg.seed
     name_set = set(swappable_names(tokenizer))
     counts: dict[int, int] = {}
     for e in examples:
@@ -582,7 +583,7 @@ def sft_passes(examples: list[Example], tokenizer, epochs: float, seed: int) -> 
             if t in name_set:
                 counts[t] = counts.get(t, 0) + 1
     names = sorted(counts, key=lambda t: (-counts[t], t))[:SWAP_POOL]
-    examples = [e for e in examples for _ in range(ROLE_REPEATS.get(e.role, 1))]
+    examples = [e for e in examples for _ in range(cfg.role_repeats.get(e.role, 1))]
     total = max(1, round(epochs * len(examples)))
     out: list[Example] = []
     k = 0
@@ -592,7 +593,7 @@ def sft_passes(examples: list[Example], tokenizer, epochs: float, seed: int) -> 
         rng.shuffle(order)
         for i in order[:total - len(out)]:
             e = examples[i]
-            out.append(swap_names(e, names, name_set, rng) if rng.random() < NAME_SWAP_SHARE else e)
+            out.append(swap_names(e, names, name_set, rng) if rng.random() < cfg.name_swap_share else e)
         k += 1
     return out
 
@@ -646,7 +647,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     """Every role's examples for one dialect over `documents` (Challenger, gates, rubrics, Solver, grades)."""
     dialect = get_dialect(dialect_name)
     seed, sp = cfg.seed, params.selfplay
-    names = Names(tokenizer)
+    names = Names(tokenizer, cfg.fact_max_tokens)
     engine = TeacherEngine(tokenizer)
     judge_teacher = JudgeTeacher(names)
     rng = random.Random(f"{seed}/judge/{dialect_name}")
@@ -712,7 +713,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     # Grades: every answer against every rubric of its task, and answers made to hold a rubric's fact
     # (the Solver's own answers mostly miss the source's facts; the grader must see both verdicts).
     rubrics_of = {t.id: r for t, r in zip(passed, rubric_sets, strict=True)}
-    triples = []
+    triples, contrasts = [], []
     for s in solvers:
         if s.answer:
             triples += [(s.meta["task"], s.answer, r) for r in rubrics_of[s.meta["challenger_id"]]]
@@ -721,11 +722,14 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
         rubrics = rubrics_of[t.id]
         for k, r in enumerate(rubrics[:GOOD_ANSWERS]):
             held = [rubric_fact(x) for x in rubrics if x != r][:k % 2] + [rubric_fact(r)]
-            triples.append((t.task, f"{subject} is linked to {_join(held)}.", r))
+            answer = f"{subject} is linked to {_join(held)}."
+            triples.append((t.task, answer, r))
+            if cfg.contrast_grades:   # the same answer against the task's other rubrics: kept whatever the verdict
+                contrasts += [(t.task, answer, x) for x in rubrics if x != r]
     grade_replies, kept = [], []
-    for triple in triples:
+    for i, triple in enumerate(triples + contrasts):
         verdict, reply = judge_teacher.grade(triple[1], triple[2])
-        if verdict == 0 and rng.random() > NEGATIVE_GRADES_KEPT:
+        if i < len(triples) and verdict == 0 and rng.random() > NEGATIVE_GRADES_KEPT:
             continue
         stats.count("grade", verdict)
         grade_replies.append(reply)

