@@ -75,7 +75,7 @@ def test_a_smoke_iteration_on_one_gpu_with_vllm_rollouts(qwen3_small, tmp_path, 
 
     params = load_params(REPO / "params" / "smoke.yaml", {
         "run.runs_dir": str(tmp_path), "run.data_dir": str(wiki_sample.parent), "model.base": str(qwen3_small),
-        "model.dialect": "qwen2.5", "model.dtype": "bfloat16", "model.max_model_len": 4096,
+        "model.warm_start.enabled": False, "model.dialect": "qwen2.5", "model.dtype": "bfloat16", "model.max_model_len": 4096,
         "engine.backend": "vllm", "engine.device": "cuda", "engine.gpu_memory_utilization": 0.4,
         "grpo.gradient_checkpointing": True})
     result = run(params)

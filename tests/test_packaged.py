@@ -69,7 +69,7 @@ def test_model_source_builds_once_then_reuses(smollm_dir: Path, smollm_cache: Pa
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(smollm_cache.parent))
     monkeypatch.setattr(packaged, "scope_cache_dir", lambda kind: smollm_cache)
     converts = count_calls(monkeypatch, packaged, "convert_gguf")
-    params = load_params(REPO / "params" / "smoke.yaml", [f"model.base={SOURCE}"])
+    params = load_params(REPO / "params" / "smoke.yaml", [f"model.base={SOURCE}", "model.warm_start.enabled=false"])
     assert loading.model_source(params) == str(smollm_dir)
     assert loading.model_source(params, "judge") == str(smollm_dir)   # the Judge is M0
     assert converts == []

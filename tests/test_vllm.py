@@ -138,24 +138,21 @@ def test_budget_and_greedy_and_empty_batch(engine, tokenizer):
     assert len(out[0].token_ids) <= 2 and out[1].token_ids == [] and out[1].finish_reason == "length"
 
 
-def test_seeded_prompts_beyond_one_prefill_budget_are_split_not_chunked(tiny_vllm_model_dir, tokenizer,
-                                                                         monkeypatch):
+def test_seeded_prompts_beyond_one_prefill_budget_are_split_not_chunked(engine):
     """vLLM 0.31's CPU build crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
     over two scheduler steps, which happens once a call's prompts exceed max_num_batched_tokens (SmolLM2's
-    600-token Challenger contexts did, 11 at a time). The engine keeps each call within that budget."""
-    from scope_lib.models import vllm_engine
+    600-token Challenger contexts did, 11 at a time under vLLM's default). The engine sets that budget to
+    CPU_PREFILL_TOKENS and keeps each call within it."""
+    from scope_lib.models.vllm_engine import CPU_PREFILL_TOKENS
 
-    monkeypatch.setattr(vllm_engine, "CPU_PREFILL_TOKENS", 256)
-    small = VLLMEngine(tiny_vllm_model_dir, tokenizer=tokenizer, max_model_len=256, threads=1, kv_cache_gib=0.25)
-    try:
-        prompts = [[1 + (7 * i + j) % 300 for j in range(100)] for i in range(6)]   # 600 tokens: three calls
-        assert small._batches(list(range(6)), [None] * 6, [100] * 6) == [[0, 1], [2, 3], [4, 5]]
-        out = small.generate(prompts, Sampling(max_new_tokens=6, temperature=1.0, seed=3))
-        assert [len(c.token_ids) for c in out] == [6] * 6 or all(c.finish_reason == "eos" for c in out
-                                                                  if len(c.token_ids) < 6)
-        assert out == small.generate(prompts, Sampling(max_new_tokens=6, temperature=1.0, seed=3))  # seeded
-    finally:
-        small.close()
+    n, length = CPU_PREFILL_TOKENS // 480 + 2, 480        # a little over one budget
+    prompts = [[1 + (7 * i + j) % 300 for j in range(length)] for i in range(n)]
+    calls = engine._batches(list(range(n)), [None] * n, [length] * n)
+    assert len(calls) == 2 and sum(map(len, calls)) == n
+    assert all(sum(length for _ in call) <= CPU_PREFILL_TOKENS for call in calls)
+    out = engine.generate(prompts, Sampling(max_new_tokens=2, temperature=1.0, seed=3))
+    assert len(out) == n and all(c.token_ids or c.finish_reason == "eos" for c in out)
+    assert out[:3] == engine.generate(prompts[:3], Sampling(max_new_tokens=2, temperature=1.0, seed=3))
 
 
 def test_two_adapters_and_the_base_in_one_call(engine, tokenizer, adapters, tiny_vllm_model_dir):
