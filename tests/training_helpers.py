@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: Small, fast settings on top of params/smoke.yaml: the hashing embedder (no MiniLM build), room for the
 #: scripted protocol text, the random tiny model (the session's; not the smoke run's warm-started one).
 FAST = {
-    "model.tiny": {}, "challenger.temperature": 1.0, "solver.temperature": 1.0,   # the paper's sampling
+    "model.tiny": {}, "model.warm_start": {}, "challenger.temperature": 1.0, "solver.temperature": 1.0,   # the paper's sampling
     "retrieval.embedder": "hashing", "retrieval.max_result_tokens": 120,
     "challenger.max_new_tokens_per_turn": 160, "challenger.max_response_tokens": 2048,
     "solver.max_new_tokens_per_turn": 160, "solver.max_response_tokens": 2048,
