@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def measure(params_path: str, args) -> list[dict]:
         p = params.model_copy(update={"judge": params.judge.model_copy(update={"gates": gates})})
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        rates, evals, _graded, _ = measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
+        rates, evals, graded, _ = measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
                                                     held_out[:args.documents], seed=0)
         seconds = time.perf_counter() - t0
         asked = [e for e in evals if e.answerability is not None]
@@ -71,6 +72,7 @@ def measure(params_path: str, args) -> list[dict]:
         row = {"model": label, "gates": ", ".join(gates),
                "Challenger task rate": _share(rates.challenger_tasks, rates.challenger_rollouts),
                "Solver answer rate": _share(rates.solver_answers, rates.solver_rollouts),
+               "Solver endings": ", ".join(f"{k} {v}" for k, v in Counter(g.trajectory.finish for g in graded).most_common()),
                "Judge parse rate": f"{rates.judge_rate():.2f}",
                "rubrics naming a source fact": _share(rates.rubric_facts_in_source, rates.rubric_facts),
                "answers naming a retrieved fact": _share(rates.answers_citing_results, rates.answers_searched),

@@ -89,6 +89,12 @@ class WarmStartConfig(Section):
         False, description="Also grade each of the teacher's made-up answers against its task's other rubrics "
         "(1 where the answer holds their fact, else 0): pairs that differ only in the rubric, so the verdict can "
         "only be learned by reading. For a model that reads (SmolLM2); the tiny model's measured recipe has none.")
+    grade_reasoning: bool = Field(
+        False, description="The teacher's grades reason before the verdict, as the grader prompt asks: '<think>The "
+        "response names A (named) and B (named). The rubric asks for C, not named.</think>' then the score "
+        "(`JudgeTeacher.grade`). Whether C is held becomes a copy (what followed C's last mention) that a pretrained "
+        "model makes by induction; SmolLM2 did not learn the bare verdict (docs/smoke-model.md). Needs "
+        "judge.grading_max_tokens >= 96. Off: the bare <score> (the tiny model).")
     role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading"], int] = Field(
         {"rubrics": 6, "challenger": 2, "solver": 2}, description="Times each example of a role appears per "
         "pass (1 where not listed): the rubric writer learns the longest structure from the fewest examples.")

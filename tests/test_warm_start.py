@@ -326,6 +326,39 @@ def _grading_engine(tokenizer, verdict):
     return ScriptedEngine(tokenizer, get_dialect("qwen2.5"), override=grade)
 
 
+def test_reasoned_grades_list_the_answers_facts_then_mark_the_rubrics(tiny_tokenizer):
+    judge = teacher.JudgeTeacher(teacher.Names(tiny_tokenizer, max_tokens=8), reasoning=True)
+    answer = "Ada is linked to Berlin and 1990."
+    verdict, reply = judge.grade(answer, "Mentions Berlin.")
+    assert verdict == parsing.parse_score(reply) == 1
+    assert reply.startswith("<think>The response names Berlin (named) and 1990 (named). "
+                            "The rubric asks for Berlin (named).</think>")
+    verdict, reply = judge.grade(answer, "Mentions Paris.")
+    assert verdict == parsing.parse_score(reply) == 0 and "The rubric asks for Paris, not named.</think>" in reply
+    assert judge.grade("No names here.", "Mentions Paris.")[1].startswith("<think>The response names no name or year.")
+    # A long answer lists at most GRADE_FACTS facts, the rubric's among them (once) when the answer holds it.
+    many = ["Berlin", "Paris", "Rome", "Madrid", "Vienna", "Prague", "Lisbon"]
+    long_answer = "Ada is linked to " + ", ".join(many) + "."
+    for rubric_fact in (many[-1], many[0], "Oslo"):
+        verdict, reply = judge.grade(long_answer, f"Mentions {rubric_fact}.")
+        listed = reply.split("The response names ", 1)[1].split(". The rubric", 1)[0]
+        assert listed.count("(named)") == teacher.GRADE_FACTS
+        assert listed.count(rubric_fact) == verdict
+        assert len(tiny_tokenizer.encode(reply, add_special_tokens=False)) <= teacher.REASONED_GRADING_MAX_TOKENS
+    assert teacher.JudgeTeacher(judge.names).grade(answer, "Mentions Berlin.") == (1, "<score>1</score>")
+
+
+def test_reasoned_grades_need_their_token_budget(shared_data, tmp_path):
+    params = load_params(REPO / "params" / "smollm.yaml", {"run.data_dir": str(shared_data),
+                                                           "run.runs_dir": str(tmp_path)})
+    assert params.model.warm_start.grade_reasoning
+    assert params.judge.grading_max_tokens >= teacher.REASONED_GRADING_MAX_TOKENS
+    short = load_params(REPO / "params" / "smollm.yaml", {"run.data_dir": str(shared_data), "run.runs_dir": str(tmp_path),
+                                                          "judge.grading_max_tokens": 64})
+    with pytest.raises(ValueError, match="grading_max_tokens is 64"):
+        warm_start.prepare(short, cache_dir=tmp_path)
+
+
 @pytest.mark.parametrize("verdict, expected", [
     (lambda response, fact: int(fact in response), 1.0),   # a grader that reads the answer
     (lambda response, fact: 1, 0.0),                        # one that only learned to say 1

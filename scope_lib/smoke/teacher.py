@@ -67,6 +67,10 @@ TEACHER_VERSION = 1
 GATE_MAX_TOKENS = 32
 RUBRIC_MAX_TOKENS = 128
 GRADING_MAX_TOKENS = 32
+#: ... and with `model.warm_start.grade_reasoning` (params/smollm.yaml's judge.grading_max_tokens), which lists at
+#: most GRADE_FACTS facts of the answer.
+REASONED_GRADING_MAX_TOKENS = 96
+GRADE_FACTS = 5
 
 #: The quality mix of the policies' traces (see the module docstring).
 CHALLENGER_TASKS = {"full": 0.6, "partial": 0.25, "generic": 0.15}   # how many searched names the task uses
@@ -500,8 +504,8 @@ def rubric_fact(rubric: str) -> str:
 class JudgeTeacher:
     """Writes the frozen Judge's replies: gates, rubrics and grades, decided from structured inputs."""
 
-    def __init__(self, names: Names):
-        self.names, self.tokenizer = names, names.tokenizer
+    def __init__(self, names: Names, reasoning: bool = False):
+        self.names, self.tokenizer, self.reasoning = names, names.tokenizer, reasoning
 
     def gate(self, gate: str, task: str, document: str) -> tuple[int, str]:
         """A gate verdict and reply: entity identifiability passes a task that names something; source
@@ -530,8 +534,23 @@ class JudgeTeacher:
         raise TeacherError(f"three rubrics do not fit in {RUBRIC_MAX_TOKENS} tokens: {texts}")
 
     def grade(self, answer: str, rubric: str) -> tuple[int, str]:
-        verdict = int(mentions(answer, rubric_fact(rubric)))
-        return verdict, f"<score>{verdict}</score>"
+        """A verdict (1 if the answer mentions the rubric's fact) and reply. With `reasoning` (the grader prompt's
+        <think>), the reply first lists the answer's facts, each marked "(named)" (at most GRADE_FACTS, the
+        rubric's among them if held), then the rubric's fact: "X (named)" if held, "X, not named" if not. The
+        marker after X is then what followed X's last mention, a copy a pretrained model makes by induction,
+        and the score follows from the words just before it."""
+        fact = rubric_fact(rubric)
+        verdict = int(mentions(answer, fact))
+        if not self.reasoning:
+            return verdict, f"<score>{verdict}</score>"
+        facts = self.names.facts(answer)
+        if len(facts) > GRADE_FACTS:
+            held = [f for f in facts[GRADE_FACTS - 1:] if f.lower() == fact.lower()]
+            facts = facts[:GRADE_FACTS - len(held)] + held
+        listed = _join([f"{f} (named)" for f in facts]) if facts else "no name or year"
+        asked = f"{fact} (named)" if verdict else f"{fact}, not named"
+        return verdict, (f"<think>The response names {listed}. The rubric asks for {asked}.</think>\n"
+                         f"<score>{verdict}</score>")
 
 
 # -- name swapping ---------------------------------------------------------------------------------------
@@ -609,7 +628,7 @@ def teacher_params(cfg: WarmStartConfig, corpus_path: str | Path, index_dir: str
         "run": {"name": index_dir.name, "runs_dir": str(index_dir.parent), "data_dir": str(Path(corpus_path).parent)},
         "model": {"base": "tiny", "dialect": dialect, "max_model_len": 8192},
         "judge": {"gate_max_tokens": GATE_MAX_TOKENS, "rubric_max_tokens": RUBRIC_MAX_TOKENS,
-                  "grading_max_tokens": GRADING_MAX_TOKENS},
+                  "grading_max_tokens": REASONED_GRADING_MAX_TOKENS if cfg.grade_reasoning else GRADING_MAX_TOKENS},
         # faiss Flat: exact search, so the teacher's results (and the warmed weights) are the same on every
         # build; an HNSW graph may differ between two builds of the same corpus.
         "retrieval": {"corpus": str(Path(corpus_path).resolve()), "embedder": cfg.embedder, "embed_batch_size": 16,
@@ -649,7 +668,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     seed, sp = cfg.seed, params.selfplay
     names = Names(tokenizer, cfg.fact_max_tokens)
     engine = TeacherEngine(tokenizer)
-    judge_teacher = JudgeTeacher(names)
+    judge_teacher = JudgeTeacher(names, cfg.grade_reasoning)
     rng = random.Random(f"{seed}/judge/{dialect_name}")
     examples: list[Example] = []
 

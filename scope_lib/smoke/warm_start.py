@@ -30,6 +30,7 @@ from scope_lib.models.tiny import TinyModelError, build_tiny_model, cache_key, c
 from scope_lib.retrieval.corpus import corpus_checksum
 from scope_lib.runs import build_directory
 from scope_lib.smoke.teacher import (
+    REASONED_GRADING_MAX_TOKENS,
     protocol_fingerprint,
     protocol_texts,
     sft_passes,
@@ -278,6 +279,10 @@ def prepare(params: Params, cache_dir: str | os.PathLike | None = None) -> Param
     ws, base = params.model.warm_start, params.model.base
     if not ws.enabled or params.local_model(base) is not None:
         return params
+    if ws.grade_reasoning and params.judge.grading_max_tokens < REASONED_GRADING_MAX_TOKENS:
+        raise ValueError(f"model.warm_start.grade_reasoning: the reasoned grades take up to "
+                         f"{REASONED_GRADING_MAX_TOKENS} tokens; judge.grading_max_tokens is "
+                         f"{params.judge.grading_max_tokens} (raise it, or turn grade_reasoning off)")
     if base == "tiny":
         params.use_local_model("tiny", warm_model_path(params.corpus_path, params.model.tiny, ws, cache_dir))
     else:
