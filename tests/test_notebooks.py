@@ -5,9 +5,11 @@ every notebook as well (`pytest --nbval-lax notebooks/`)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
+import papermill
 import pytest
 
 from scope_lib.reports.export import notebook_paths
@@ -31,6 +33,10 @@ def test_notebook_is_stripped_and_parameterised(path):
     params = nb.cells[1]
     assert params.cell_type == "code" and "parameters" in params.metadata.get("tags", [])
     assert 'params = "params/smoke.yaml"' in params.source
+    # papermill reads every parameter with its default (a comment holding "=" on the same line hides it, with a
+    # warning on every run)
+    assigned = [m.group(1) for m in re.finditer(r"^(\w+)\s*(?::[^=\n]*)?=", params.source, re.MULTILINE)]
+    assert list(papermill.inspect_notebook(str(path))) == assigned
 
 
 def test_papermill_report_with_html(report_run):
