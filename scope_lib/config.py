@@ -95,6 +95,11 @@ class WarmStartConfig(Section):
         "(`JudgeTeacher.grade`). Whether C is held becomes a copy (what followed C's last mention) that a pretrained "
         "model makes by induction; SmolLM2 did not learn the bare verdict (docs/smoke-model.md). Needs "
         "judge.grading_max_tokens >= 96. Off: the bare <score> (the tiny model).")
+    solver_guesses: bool = Field(
+        True, description="The teacher's Solver answers without searching, or from no retrieved fact, in about a "
+        "third of its traces ('<subject> is a well-known subject.'): the quality mix that gives the tiny model's "
+        "GRPO groups a spread. Off: every Solver trace searches and names facts its searches returned (SmolLM2 "
+        "took the fallback as its main answer; docs/smoke-model.md).")
     role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading"], int] = Field(
         {"rubrics": 6, "challenger": 2, "solver": 2}, description="Times each example of a role appears per "
         "pass (1 where not listed): the rubric writer learns the longest structure from the fewest examples.")

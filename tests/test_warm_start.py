@@ -112,6 +112,23 @@ def test_teacher_quality_is_mixed(traces):
     assert dialect.name == "qwen2.5"
 
 
+def test_without_guesses_every_solver_trace_searches_and_names_a_retrieved_fact(traces, wiki_sample, tmp_path):
+    tokenizer, cfg, with_guesses, _stats = traces
+    guesses = [e for e in with_guesses if e.role == "solver" and "well-known subject" in _spans(e, tokenizer)[-1]]
+    assert guesses                                      # the default quality mix has them
+    cfg = cfg.model_copy(update={"solver_guesses": False})
+    examples, _ = teacher.teacher_examples(tokenizer, wiki_sample, cfg, tmp_path / "ix")
+    solver = [e for e in examples if e.role == "solver"]
+    assert len(solver) >= len(guesses)
+    for example in solver:
+        spans = _spans(example, tokenizer)
+        answer = parsing.extract_answer(spans[-1])
+        assert len(spans) >= 2 and " is linked to " in answer, answer   # searched, then linked retrieved facts
+    # the Challenger's and the rubric writer's examples are the same
+    others = [e.input_ids for e in examples if e.role in ("challenger", "rubrics")]
+    assert others == [e.input_ids for e in with_guesses if e.role in ("challenger", "rubrics")]
+
+
 def test_teacher_contexts_are_the_rollout_contexts(traces, wiki_sample):
     """A Challenger example starts with exactly the prompt the rollout loop gives a model."""
     tokenizer, cfg, examples, _stats = traces

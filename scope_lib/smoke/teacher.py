@@ -440,15 +440,18 @@ class SolverTeacher:
     first name to facts (names, years) from the top result of each search (how many searches and facts is
     drawn per rollout)."""
 
-    def __init__(self, names: Names, dialect: Dialect, seed: int):
+    def __init__(self, names: Names, dialect: Dialect, seed: int, guesses: bool = True):
         self.names, self.tokenizer, self.dialect, self.seed = names, names.tokenizer, dialect, seed
         self.plans: dict[str, _SolverPlan] = {}
+        # Without guesses (`model.warm_start.solver_guesses` off) every rollout searches and answers with facts.
+        self.searches_mix = SOLVER_SEARCHES if guesses else {k: w for k, w in SOLVER_SEARCHES.items() if k}
+        self.facts_mix = SOLVER_ANSWER_FACTS if guesses else {k: w for k, w in SOLVER_ANSWER_FACTS.items() if k}
 
     def plan(self, traj: Trajectory) -> _SolverPlan:
         if traj.id not in self.plans:
             rng = random.Random(f"{self.seed}/solver/{traj.id}")
-            searches = min(_choice(rng, SOLVER_SEARCHES), traj.max_searches or 0)
-            self.plans[traj.id] = _SolverPlan(searches, _choice(rng, SOLVER_ANSWER_FACTS) if searches else 0)
+            searches = min(_choice(rng, self.searches_mix), traj.max_searches or 0)
+            self.plans[traj.id] = _SolverPlan(searches, _choice(rng, self.facts_mix) if searches else 0)
         return self.plans[traj.id]
 
     def write(self, traj: Trajectory, budget: int) -> str:
@@ -723,7 +726,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
                               tokenizer, max_searches=params.solver.max_searches,
                               meta={"challenger_id": t.id, "task": t.task})
                for t in passed for j in range(SOLVER_ROLLOUTS)]
-    solver = SolverTeacher(names, dialect, seed)
+    solver = SolverTeacher(names, dialect, seed, cfg.solver_guesses)
     limits = solver_limits(params)
     engine.script(solvers, solver.write, limits)
     run_rollouts(solvers, engine, retriever, dialect, limits)
