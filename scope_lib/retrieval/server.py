@@ -14,8 +14,10 @@ cut back to its own topk), so many training workers share one index without queu
 Fairness: a request is searched in slices, and every search takes one slice from each waiting request in turn
 (round robin, query by query) up to a budget the batcher sizes to about `SLICE_TARGET_S` of index work. A huge
 request therefore cannot hold the index: a one-query client waits for at most one slice (benchmark:
-benchmarks/retrieval_fairness.py). /health answers 503 "stalled" when one search has run longer than
-`STALL_S` or the search thread died.
+benchmarks/retrieval_fairness.py). The app runs one search before it serves (`warm_up`): an embedder loads its
+model on first use (12 s on a slow 2-core CPU), and without it the first clients of a fresh server waited for that
+load whatever their size. /health answers 503 "stalled" when one search has run longer than `STALL_S` or the
+search thread died.
 
 Bad requests get a 4xx that says what is wrong (malformed JSON or fields, a non-finite or huge topk, a query
 that is not valid Unicode: 422; more than `max_queries` queries, more than `max_request_chars` characters of
@@ -67,6 +69,9 @@ SLICE_TARGET_S = 0.1
 #: the index gets slower at once (an embedding cache that stops hitting, a loaded machine) before the batcher
 #: measures it; 16,384 characters keep a rollout batch of short queries in one search.
 MAX_SLICE_CHARS = 16_384
+#: The first slice's budget, before the batcher has measured the index: one long query, or a rollout batch of
+#: short ones (doubled after each quick search).
+INITIAL_SLICE_CHARS = 512
 #: A search running longer than this makes /health answer "stalled".
 STALL_S = 30.0
 #: Characters of a client's input an error message may echo.
@@ -155,7 +160,7 @@ class SearchBatcher:
         self.retriever = retriever
         self.max_batch_queries = max_batch_queries
         self.target_s = target_s
-        self.budget_chars = 2048  # grows with the measured speed of the index
+        self.budget_chars = INITIAL_SLICE_CHARS  # grows (or shrinks) with the measured speed of the index
         self.requests = 0
         self.searches = 0
         self._jobs: deque[_Job] = deque()
@@ -284,12 +289,28 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
+def warm_up(retriever: Retriever) -> float:
+    """One search before serving, so that what loads on first use (an embedder's model, an index's pages) is not
+    waited for by the first clients. Seconds it took; a failure is logged, not raised (each request then gets the
+    503 that says why)."""
+    started = time.monotonic()
+    try:
+        retriever.search(["warm up"], 1)
+    except Exception as exc:
+        log.warning("retrieval warm-up search failed (%s: %s); requests will get 503 until it works",
+                    type(exc).__name__, exc)
+    seconds = time.monotonic() - started
+    log.info("retrieval warm-up search: %.2f s", seconds)
+    return seconds
+
+
 def create_app(retriever: Retriever, *, default_topk: int = 3, max_queries: int = MAX_QUERIES,
                embedder: str | None = None, max_batch_queries: int = MAX_BATCH_QUERIES,
                max_request_chars: int = MAX_REQUEST_CHARS, max_body_bytes: int = MAX_BODY_BYTES,
                slice_target_s: float = SLICE_TARGET_S, stall_s: float = STALL_S) -> FastAPI:
-    """The FastAPI app serving `retriever`. `embedder` names it in /health (default: the retriever's own
-    description, when it has one)."""
+    """The FastAPI app serving `retriever`, warmed up (`warm_up`) before it exists. `embedder` names it in /health
+    (default: the retriever's own description, when it has one)."""
+    warm_up(retriever)
     app = FastAPI(title="SCOPE retrieval", description="Search-R1 compatible /retrieve over a Retriever")
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     batcher = SearchBatcher(retriever, max_batch_queries, slice_target_s)
