@@ -100,7 +100,14 @@ class WarmStartConfig(Section):
         "third of its traces ('<subject> is a well-known subject.'): the quality mix that gives the tiny model's "
         "GRPO groups a spread. Off: every Solver trace searches and names facts its searches returned (SmolLM2 "
         "took the fallback as its main answer; docs/smoke-model.md).")
-    role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading"], int] = Field(
+    eval_judges: bool = Field(
+        False, description="Also teach the evaluation judge prompts M0 plays when it is the benchmark judge "
+        "(evaluation.judge_backend: local): the short-form QA judge (the grader with the semantic-equivalence rubric) "
+        "and criterion_grader, with replies that list what the answer names before the verdict, as grade_reasoning "
+        "does (`smoke.eval_judge_teacher`). Needs the evaluation judges' max_tokens >= 64. Off: the eval judges "
+        "are untaught (they fail their calibration probes).")
+    role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading", "qa_judge",
+                               "criterion_grader"], int] = Field(
         {"rubrics": 6, "challenger": 2, "solver": 2}, description="Times each example of a role appears per "
         "pass (1 where not listed): the rubric writer learns the longest structure from the fewest examples.")
 
