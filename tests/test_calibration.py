@@ -117,6 +117,17 @@ def test_without_a_corpus_the_criterion_grader_cannot_be_trusted(data, tmp_path)
     assert not cal.trusted and cal.reasons[0].startswith("no probe could be built: the corpus x.jsonl")
 
 
+def test_pairwise_answers_are_clipped_at_a_sentence_and_truncated_to_a_prefix():
+    story = "The lighthouse keeper counted ships. " * 80 + "The end."
+    full = C.clip(story)
+    assert len(full) <= C.PAIRWISE_MAX_CHARS and full.endswith("ships.") and story.startswith(full)
+    assert C.clip("A short poem.\nTwo lines.") == "A short poem.\nTwo lines."
+    cut = C.truncate(full)
+    assert full.startswith(cut) and len(full) / 4 < len(cut) < len(full) / 2 and not cut.endswith(" ")
+    chinese = "灯塔看守人数着船只。" * 300
+    assert C.clip(chinese).endswith("。") and len(C.clip(chinese)) <= C.PAIRWISE_MAX_CHARS
+
+
 # -- the self-Judge's per-rubric grader --------------------------------------------------------------------
 
 

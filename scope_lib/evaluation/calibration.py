@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,24 +158,47 @@ def criterion_probe(passages: Sequence[Passage], n: int, seed: int = 0, role: st
     return cases[:n]
 
 
+#: Longest answer (in characters, about 300 English words) a pairwise probe plays: longer baseline answers are cut
+#: at a sentence end, so a probe game costs about what a scored one does and the judge's context holds both seats.
+PAIRWISE_MAX_CHARS = 1800
+_SENTENCE_END = re.compile(r"[.!?][\"'”’)]*(?=\s)|[。！？]")
+
+
+def clip(text: str, max_chars: int = PAIRWISE_MAX_CHARS) -> str:
+    """An answer of at most `max_chars` characters: whole when it is short enough, else cut at the last sentence
+    end in its first `max_chars` (at a space, or the limit, when no sentence ends in their second half)."""
+    if len(text) <= max_chars:
+        return text
+    cut = text[:max_chars]
+    ends = [m.end() for m in _SENTENCE_END.finditer(cut + " ") if m.end() >= max_chars // 2]
+    if ends:
+        return cut[:ends[-1]]
+    space = cut.rfind(" ")
+    return cut[:space] if space >= max_chars // 2 else cut
+
+
 def truncate(text: str, share: float = 1 / 3) -> str:
-    """The first `share` of an answer's words (at least 10): an answer that stops mid-way."""
-    words = text.split()
-    return " ".join(words[:max(10, int(len(words) * share))])
+    """The first `share` of an answer (at least 40 characters), cut at a space when there is one near, its line
+    breaks kept: an answer that stops mid-way."""
+    n = max(40, int(len(text) * share))
+    space = text.rfind(" ", 0, n)
+    return text[:space] if space >= n // 2 else text[:n]
 
 
 def pairwise_probe(items: Sequence[Item], n: int, seed: int = 0, evaluated: set[str] = frozenset()) -> list[Case]:
-    """Four games per question with a baseline answer (seeded order, questions outside `evaluated` first) until
-    `n`: the answer against itself in both orders (no right winner: a tie or a split), and the full answer
-    against its truncation in both orders (the full one should win)."""
+    """Four games per question with a baseline answer of 30 words or more (seeded order: questions outside
+    `evaluated` first, whole answers of at most PAIRWISE_MAX_CHARS characters before clipped ones) until `n`: the answer
+    against itself in both orders (no right winner: a tie or a split; the two orders are one prompt, asked once),
+    and the answer against its first third in both orders (the whole one should win)."""
     order = _probe_order([i for i in items if len(str(i.reference.get("baseline_answer") or "").split()) >= 30],
                          f"{seed}/calibration/pairwise", evaluated)
+    order.sort(key=lambda i: (i.id in evaluated, len(i.reference["baseline_answer"]) > PAIRWISE_MAX_CHARS))
     arena = S.ArenaHardScorer("official")
     cases: list[Case] = []
     for item in order:
         if len(cases) >= n:
             break
-        full = item.reference["baseline_answer"]
+        full = clip(item.reference["baseline_answer"])
         same = Item(item.id, item.benchmark, item.messages, {**item.reference, "baseline_answer": full})
         game1, game2 = arena.units(same, full)          # identical answers in both seats
         cases += [Case(ProbeItem(f"{item.id}/identity/game1", "identity", None), game1),
