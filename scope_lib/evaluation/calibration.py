@@ -10,7 +10,7 @@ prompt builder, so the probe asks exactly what scoring asks:
 | short_form      | SCOPE grader + equivalence rubric | the gold answer; an alias from the benchmark's gold list (else the gold in a sentence) | another question's gold; the same in a sentence |
 | criterion       | criterion_grader (HealthBench, ResearchPlanGen, ResearchRubrics scope_paper) | a response stating a corpus fact the criterion asks for, in two orders | the same response with the fact's sentence removed, or the fact swapped |
 | researchrubrics | researchrubrics_grader (ResearchRubrics official) | as criterion              | as criterion                       |
-| pairwise        | arena_pairwise (Arena-Hard)     | A is the baseline's full answer, B its truncation | A is the truncation, B the full answer |
+| pairwise        | arena_pairwise (Arena-Hard)     | A is a baseline answer (`clip`), B its first third | A is the first third, B the answer |
 
 The pairwise probe also plays each answer against itself in both orders (a tie, or one win each, is right) and
 measures position bias: Assistant A's mean score over every game minus 0.5. Judges of rating prompts (DRB, WildBench,
