@@ -11,7 +11,9 @@
     scope index check --params P                 canary queries, results and fingerprints: pass/fail table
     scope serve retrieval --params P             Search-R1 compatible /retrieve server (any backend)
     scope serve model --params P [--port 8000]   vLLM's OpenAI server for M0 with runtime LoRA loading (CPU or GPU)
-    scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...]   benchmarks -> <run>/eval/<checkpoint>/
+    scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...] [--accept-untrusted-judge]
+                                                 benchmarks -> <run>/eval/<checkpoint>/ (exit 4: a judge failed
+                                                 its calibration probe; its scores are written marked untrusted)
     scope runs verify RUN                        checksums and tensors of every saved checkpoint of a run
 
 train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
@@ -220,21 +222,32 @@ def cmd_serve_model(args) -> int:
     return 0  # not reached
 
 
+#: `scope eval`'s exit status when a judge failed its calibration probe and was not accepted.
+UNTRUSTED_JUDGE_EXIT = 4
+
+
 @writes_run
 def cmd_eval(args) -> int:
-    from scope_lib.evaluation.evaluate import evaluate
+    from scope_lib.evaluation.calibration import untrusted_line
+    from scope_lib.evaluation.evaluate import evaluate, untrusted_judges
 
     params = _torch_params(args, models=True)
     summaries = evaluate(params, args.checkpoint or None, args.benchmarks or None)
-    print(f"{'checkpoint':<22} {'benchmark':<16} {'scorer':<12} {'score':>7}  95% CI          invalid")
+    trust = {True: "yes", False: "NO", None: "-"}
+    print(f"{'checkpoint':<22} {'benchmark':<16} {'scorer':<12} {'score':>7}  95% CI          invalid  judge trusted")
     for s in summaries:
         for scorer, v in s["scorers"].items():
             value = "-" if v["value"] is None else f"{100 * v['value']:.1f}"
             ci = f"[{100 * v['ci95'][0]:.1f}, {100 * v['ci95'][1]:.1f}]" if v["ci95"] else "-"
             print(f"{s['checkpoint']:<22} {s['benchmark']:<16} {scorer:<12} {value:>7}  {ci:<15} "
-                  f"{v['n_invalid_units']}/{v['n_units']}")
+                  f"{v['n_invalid_units']}/{v['n_units']:<6} {trust[v.get('trusted')]}")
     print(f"results: {params.run_dir / 'eval'}")
-    return 0
+    untrusted = untrusted_judges(summaries)
+    accepted = args.accept_untrusted_judge or params.evaluation.accept_untrusted_judge
+    for judge_id, (calibration, benchmarks) in untrusted.items():
+        print(f"{'warning' if accepted else 'error'}: {untrusted_line(judge_id, calibration, benchmarks)}",
+              file=sys.stderr)
+    return UNTRUSTED_JUDGE_EXIT if untrusted and not accepted else 0
 
 
 def cmd_runs_verify(args) -> int:
@@ -330,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="base, iter_NN/solver or a path (default: evaluation.checkpoints)")
     ev.add_argument("--benchmarks", nargs="*", default=None, metavar="B",
                     help="benchmark names (default: evaluation.benchmarks)")
+    ev.add_argument("--accept-untrusted-judge", action="store_true",
+                    help="exit 0 although a judge failed its calibration probe (its scores stay marked untrusted; "
+                         "params: evaluation.accept_untrusted_judge)")
     ev.set_defaults(func=cmd_eval)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)

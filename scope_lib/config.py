@@ -100,7 +100,14 @@ class WarmStartConfig(Section):
         "third of its traces ('<subject> is a well-known subject.'): the quality mix that gives the tiny model's "
         "GRPO groups a spread. Off: every Solver trace searches and names facts its searches returned (SmolLM2 "
         "took the fallback as its main answer; docs/smoke-model.md).")
-    role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading"], int] = Field(
+    eval_judges: bool = Field(
+        False, description="Also teach the evaluation judge prompts M0 plays when it is the benchmark judge "
+        "(evaluation.judge_backend: local): the short-form QA judge (the grader with the semantic-equivalence rubric) "
+        "and criterion_grader, with replies that list what the answer names before the verdict, as grade_reasoning "
+        "does (`smoke.eval_judge_teacher`). Needs the evaluation judges' max_tokens >= 64. Off: the eval judges "
+        "are untaught (they fail their calibration probes).")
+    role_repeats: dict[Literal["challenger", "solver", "gates", "rubrics", "grading", "qa_judge",
+                               "criterion_grader"], int] = Field(
         {"rubrics": 6, "challenger": 2, "solver": 2}, description="Times each example of a role appears per "
         "pass (1 where not listed): the rubric writer learns the longest structure from the fewest examples.")
 
@@ -171,6 +178,24 @@ class ModelConfig(Section):
         return self
 
 
+class CalibrationConfig(Section):
+    """Calibration of a judge on controlled pairs before its verdicts count (not in the paper; docs/evaluation.md,
+    "Judge calibration"): probes built from the run's own data whose right verdict is known (a gold answer vs
+    another question's, a response holding a rubric's fact vs the same response without it, an answer vs its own
+    truncation). A judge whose separation is below `min_separation` or whose invalid-reply rate is above
+    `max_invalid_rate` is untrusted."""
+
+    enabled: bool = Field(True, description="Probe each judge before its verdicts are used.")
+    items: int = Field(24, ge=4, description="Probe items per judge (tens: each is one judge call, cached and "
+                       "accounted like any other).")
+    min_separation: float = Field(
+        0.5, ge=-1.0, le=1.0, description="Least separation P(yes | should) - P(yes | should not) of a trusted "
+        "judge: 1 reads perfectly, 0 is a judge that says the same to everything or flips a coin.")
+    max_invalid_rate: float = Field(
+        0.2, ge=0.0, le=1.0, description="Largest share of probe replies that never parsed (after the parse "
+        "retries) of a trusted judge (the self-Judge's judge_parse_failures alarm uses the same 20%).")
+
+
 class JudgeConfig(Section):
     """The frozen Judge J = M0: quality gates, rubric writing, per-rubric grading (§3.1, App. G, H)."""
 
@@ -222,6 +247,10 @@ class JudgeConfig(Section):
     priority_weights: dict[str, float] = Field(
         {"critical": 1.0, "important": 0.7, "bonus": 0.3},
         description="w_k per priority when rubric_weights = 'priority'.")
+    calibration: CalibrationConfig = Field(
+        default_factory=CalibrationConfig, description="Probe the per-rubric grader on controlled pairs from the "
+        "corpus when a run opens (`selfplay.calibration`); an untrusted grader raises the health alarm "
+        "untrusted_judge. Not part of the params hash: it decides no training result.")
 
 
 class RetrievalConfig(Section):
@@ -571,6 +600,12 @@ class EvaluationConfig(Section):
         "the paper: none).")
     rollout_batch_size: int = Field(256, ge=1, description="Items rolled out together (one engine call per turn).")
     bootstrap_samples: int = Field(1000, ge=0, description="Bootstrap resamples for confidence intervals.")
+    calibration: CalibrationConfig = Field(
+        default_factory=CalibrationConfig, description="Probe every benchmark judge on controlled pairs before "
+        "`scope eval` uses it (`evaluation.calibration`); the result is in eval/calibration.json and every summary.")
+    accept_untrusted_judge: bool = Field(
+        False, description="`scope eval` exits 0 although a judge failed its probe (its scores stay marked "
+        "untrusted); the same as `scope eval --accept-untrusted-judge`.")
 
     @model_validator(mode="before")
     @classmethod

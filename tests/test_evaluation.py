@@ -152,8 +152,13 @@ def test_scope_eval_end_to_end_with_a_served_judge_and_a_cache(params, retriever
     # the scripted verdicts, scored: DRB RACE 6 vs 4 everywhere -> 0.6; holistic (3,4,5,2,1) -> 0.5
     drb = summaries["drb"]["scorers"]
     assert drb["official"]["value"] == pytest.approx(0.6) and drb["scope_paper"]["value"] == pytest.approx(0.5)
-    # Arena: "[[B>A]]" in both games = one win (game 1, model is B) and one loss -> 0.5
-    assert summaries["arena_hard_cw"]["scorers"]["official"]["value"] == pytest.approx(0.5)
+    # Arena: the scripted judge prefers the longer reply: the baseline's long answer beats a 16-token one twice
+    assert summaries["arena_hard_cw"]["scorers"]["official"]["value"] == pytest.approx(0.0)
+    # the judges a probe checks read (scripted_judge), so they passed it; rating judges have no probe
+    assert {b: summaries[b]["scorers"]["scope_paper"]["trusted"] for b in benchmarks} == {
+        "nq": True, "healthbench": True, "arena_hard_cw": True, "drb": None, "wildbench": None, "researchqa": None}
+    calibration = json.loads((run_dir / "calibration.json").read_text())["judges"]
+    assert set(calibration) == {"short_form@judge-small", "criterion@judge-big", "pairwise@judge-big"}
     # WildBench: first sample garbage, the retry parses (6): WB (6-5)/5 = 0.2, paper (6-1)/9
     wb = summaries["wildbench"]["scorers"]
     assert wb["official"]["value"] == pytest.approx(0.2) and wb["scope_paper"]["value"] == pytest.approx(5 / 9)
@@ -270,7 +275,13 @@ def test_coevolution_matrix_from_task_pools(params, retriever, tiny_tokenizer, c
 
 def test_evaluate_with_scripted_policy_then_self_judge_gap(params, retriever, tiny_tokenizer):
     dialect = get_dialect("qwen2.5")
-    engine = ScriptedEngine(tiny_tokenizer, dialect)
+    golds = {item.question: item.reference["golden_answers"][0] for item in select_items(params, "nq")[0]}
+
+    def knows_the_answer(role, context):   # the Solver answers NQ with its gold answer (the judge reads it)
+        found = [gold for question, gold in golds.items() if role == "solver" and question in context]
+        return f"<answer>{found[0]}</answer>" if found else None
+
+    engine = ScriptedEngine(tiny_tokenizer, dialect, override=knows_the_answer)
     policies = {"base": Policy(resolve_checkpoint(params, "base"), engine, None)}
     backend = ScriptedJudgeBackend()
     summaries = evaluate(params, ["base"], ["nq", "healthbench"], policies=policies, judge=BenchmarkJudge(backend),

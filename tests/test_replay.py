@@ -148,8 +148,9 @@ def test_replay_table_with_the_diagonal_from_evaluation(setup):
                                     retriever=retriever, dialect=dialect)
     assert list(table.index) == [("iter_01-solver", "iter_01-solver"), ("iter_01-solver", "iter_02-solver"),
                                  ("iter_02-solver", "iter_01-solver")]
-    # the diagonal is X's own evaluation: its answers came from the scripted answer turns -> judged 1
-    assert table.loc[("iter_01-solver", "iter_01-solver"), "NQ"] == 100.0
+    # the diagonal is X's own evaluation (its stored answers, judged), not a replay
+    own = summaries[0]["scorers"]["scope_paper"]
+    assert own["n_scored"] == 3 and table.loc[("iter_01-solver", "iter_01-solver"), "NQ"] == 100 * own["value"]
     assert "replay" not in summaries[0] and summaries[1]["replay"]["allow_search"] is True
     replayed = params.run_dir / "eval" / "replay" / "iter_01-solver__iter_02-solver__think-off_search-on" / "nq"
     record = json.loads((replayed / "trajectories.jsonl").read_text().splitlines()[0])

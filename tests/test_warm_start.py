@@ -390,3 +390,63 @@ def test_grader_sensitivity_separates_reading_from_blind_graders(wiki_sample, ti
     assert probe.holds == probe.misses >= 20 and probe.unparsed == 0
     assert probe.separation == expected
     assert engine.calls == 1                                 # every triple in one Judge call
+
+
+# -- the evaluation judges' traces (model.warm_start.eval_judges) -------------------------------------------
+
+
+def test_eval_judge_traces_parse_with_the_real_parsers_and_say_both(wiki_sample, tiny_tokenizer):
+    import re
+
+    from scope_lib.evaluation.scorers import parse_criteria_met
+    from scope_lib.selfplay.calibration import mentions
+    from scope_lib.smoke import eval_judge_teacher as T
+
+    documents = read_corpus(wiki_sample).passages[:40]
+    traces = T.eval_judge_traces(tiny_tokenizer, documents, WarmStartConfig(fact_max_tokens=6, seed=1))
+    assert traces == T.eval_judge_traces(tiny_tokenizer, documents, WarmStartConfig(fact_max_tokens=6, seed=1))
+    for role in T.ROLES:
+        verdicts = [t.verdict for t in traces if t.role == role]
+        assert len(verdicts) >= 40 and 0.4 <= sum(verdicts) / len(verdicts) <= 0.6, role   # both, about evenly
+    for t in traces:
+        prompt = t.messages[0]["content"]
+        if t.role == "qa_judge":   # the short-form judge: SCOPE's grader with the semantic-equivalence rubric
+            assert parsing.parse_score(t.reply) == t.verdict
+            response = prompt.split("<response>", 1)[1].split("</response>", 1)[0]
+            golds = re.findall(r'"([^"]+)"', prompt.split("<rubric>", 1)[1].split("</rubric>", 1)[0])
+            assert "means the same as at least one of these reference answers" in prompt and golds
+            assert t.verdict == int(any(mentions(response, g) for g in golds)), (response, golds)
+            named = [g for g in golds if f"{g} (named)" in t.reply.split("reference answer", 1)[1]]
+            assert bool(named) == bool(t.verdict)
+        else:                      # criterion_grader: the reply against one "Mentions X." criterion
+            assert parse_criteria_met(t.reply) is bool(t.verdict)
+            reply = prompt.split("<reply>\n", 1)[1].split("\n</reply>", 1)[0]
+            fact = re.search(r"\nMentions (.+)\.\n</criterion>", prompt).group(1)
+            assert t.verdict == int(mentions(reply, fact)), (reply, fact)
+            assert (f"asks for {fact} (named)" in t.reply) == bool(t.verdict)
+        # the tokens: the prompt exactly as the local judge encodes it, then the reply and the end of the turn
+        ids, mask = t.example.input_ids, t.example.completion_mask
+        n_prompt = mask.index(1)
+        assert set(mask[:n_prompt]) == {0} and set(mask[n_prompt:]) == {1}
+        assert tiny_tokenizer.decode(ids[:n_prompt]) == tiny_tokenizer.apply_chat_template(
+            t.messages, tokenize=False, add_generation_prompt=True)
+        assert ids[-1] == tiny_tokenizer.eos_token_id and tiny_tokenizer.decode(ids[n_prompt:-1]) == t.reply
+        assert len(ids) - n_prompt - 1 <= T.EVAL_JUDGE_MAX_TOKENS
+
+
+def test_eval_judges_option_keeps_old_cache_keys_and_needs_its_budget(shared_data, tmp_path):
+    from scope_lib.smoke import eval_judge_teacher as T
+
+    off, on = WarmStartConfig(), WarmStartConfig(eval_judges=True)
+    assert "eval_judges" not in warm_start._shape(off)          # models built before the option keep their keys
+    assert warm_start._shape(on)["eval_judges"] == T.fingerprint()
+    assert {k: v for k, v in warm_start._shape(on).items() if k != "eval_judges"} == warm_start._shape(off)
+    assert set(T.ROLES) <= set(WarmStartConfig.model_fields["role_repeats"].annotation.__args__[0].__args__)
+    smoke = load_params(REPO / "params" / "smoke.yaml", {"run.data_dir": str(shared_data), "run.runs_dir": str(tmp_path),
+                                                         "model.warm_start.eval_judges": True})
+    with pytest.raises(ValueError, match=r"eval_judges.*evaluation.short_form_judge.max_tokens is 16"):
+        warm_start.prepare(smoke, cache_dir=tmp_path)
+    smollm = load_params(REPO / "params" / "smollm.yaml", {"run.data_dir": str(shared_data)})
+    assert not smollm.model.warm_start.eval_judges        # off until the lead measures it on SmolLM2
+    assert min(smollm.evaluation.short_form_judge.max_tokens,
+               smollm.evaluation.open_ended_judge.max_tokens) >= T.EVAL_JUDGE_MAX_TOKENS

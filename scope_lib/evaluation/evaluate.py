@@ -35,11 +35,13 @@ from typing import Any, Literal
 from tqdm.auto import tqdm
 
 from scope_lib.config import Params
+from scope_lib.evaluation import calibration as C
 from scope_lib.evaluation import scorers as S
 from scope_lib.evaluation.benchmarks import (
     BENCHMARKS,
     BenchmarkDataError,
     Item,
+    load_benchmark,
     select_items,
     solver_conversation,
 )
@@ -47,9 +49,9 @@ from scope_lib.evaluation.judge import (
     BenchmarkJudge,
     ChatCompletionsBackend,
     JudgeCache,
-    JudgeRequest,
     JudgeSettings,
     LocalEngineBackend,
+    ask_with_retries,
 )
 from scope_lib.models.engine import Engine
 from scope_lib.models.hf_engine import HFEngine
@@ -57,8 +59,10 @@ from scope_lib.models.loading import load_model_and_tokenizer, make_engine
 from scope_lib.models.vllm_engine import VLLMEngine
 from scope_lib.protocol import parsing
 from scope_lib.protocol.dialects import Dialect, get_dialect
+from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import RecordLog, Stage, atomic_write_json, load_weights, read_json, write_jsonl
+from scope_lib.selfplay.calibration import Calibration
 from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, new_trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
@@ -387,30 +391,11 @@ def score_items(params: Params, benchmark: str, answered: list[Answered], judge:
     flat = [(key, u) for key, us in units.items() for u in us]
     if flat and judge is None:
         raise ValueError(f"{benchmark}: scorers {names} need a judge")
-    verdicts: dict[tuple[int, str, str], Any] = {}
-    history: dict[tuple[int, str, str], dict[str, list]] = {}
-    pending = list(flat)
-    for sample_index in range(e.judge_parse_retries + 1):
-        if not pending:
-            break
-        requests = [JudgeRequest(u.messages, settings, u.prompt_version, sample_index,
-                                 f"{label}/{benchmark}/{key[1]}") for key, u in pending]
-        replies = judge.complete(requests)  # type: ignore[union-attr]
-        still = []
-        for (key, unit), reply in zip(pending, replies, strict=True):
-            slot = (*key, unit.key)
-            h = history.setdefault(slot, {"replies": [], "request_keys": [], "errors": []})
-            h["replies"].append(reply.text)
-            h["request_keys"].append(reply.key)
-            if reply.error:
-                h["errors"].append(reply.error)
-            parsed = unit.parse(reply.text) if reply.error is None else None
-            if parsed is None:
-                still.append((key, unit))
-            else:
-                verdicts[slot] = parsed
-        pending = still
-    invalid = {(*key, u.key) for key, u in pending}
+    asked = ask_with_retries(judge, settings, [((*key, u.key), u, f"{label}/{benchmark}/{key[1]}") for key, u in flat],
+                             e.judge_parse_retries) if flat else {}  # type: ignore[arg-type]
+    verdicts = {slot: a.verdict for slot, a in asked.items() if a.verdict is not None}
+    history = {slot: a.history() for slot, a in asked.items()}
+    invalid = {slot for slot, a in asked.items() if a.verdict is None}
     records, per_scorer = [], {n: [] for n in names}
     for i, a in enumerate(answered):
         record = {"id": f"{a.item.id}/s{a.seed}", "item_id": a.item.id, "seed": a.seed, "benchmark": benchmark,
@@ -527,8 +512,10 @@ def evaluate(params: Params, checkpoints: list[str | Checkpoint] | None = None, 
         judge = make_benchmark_judge(params, engine or base_engine(policies))
     summaries = []
     try:
+        selected = {name: select_items(params, name) for name in benchmarks}
+        trust = calibrate_benchmark_judges(params, judge, {n: items for n, (items, _) in selected.items()})
         for name in benchmarks:
-            items, manifest = select_items(params, name)
+            items, manifest = selected[name]
             for ck in resolved:
                 policy = policies[ck.name]
                 folder = eval_dir(params, ck.name, name)
@@ -536,8 +523,12 @@ def evaluate(params: Params, checkpoints: list[str | Checkpoint] | None = None, 
                                           folder=folder)
                 records, per_scorer = score_items(params, name, answered_from(name, items, trajectories), judge,
                                                   label=ck.name)
+                for scorer, summary in per_scorer.items():  # every score says whether its judge passed its probe
+                    jid, calibration = trust.get((name, scorer), (None, None))
+                    summary.update(C.scorer_trust(calibration, jid))
+                extra = {"judge_agreement": C.em_agreement(records)} if BENCHMARKS[name].kind == "short_form" else {}
                 summaries.append(write_benchmark_results(params, folder, ck.name, name, records, per_scorer,
-                                                         manifest, judge))
+                                                         manifest, judge, extra))
                 _write_checkpoint_summary(params, ck.name)
     finally:
         if owns_judge:
@@ -545,12 +536,68 @@ def evaluate(params: Params, checkpoints: list[str | Checkpoint] | None = None, 
     return summaries
 
 
+#: Passages read from the start of the corpus to build the criterion graders' fact probes.
+PROBE_PASSAGES = 2000
+
+
+def calibrate_benchmark_judges(params: Params, judge: BenchmarkJudge, items: dict[str, list[Item]]
+                               ) -> dict[tuple[str, str], tuple[str, Calibration]]:
+    """Probe every judge the benchmarks in `items` need (`evaluation.calibration`; `scope_lib.evaluation.calibration`)
+    and record the results in runs/<name>/eval/calibration.json (merged with earlier judges). Returns
+    (benchmark, scorer) -> (judge id, calibration); empty when calibration is off."""
+    cfg = params.evaluation.calibration
+    if not cfg.enabled:
+        return {}
+    uses = C.judge_uses(params, {name: judge_settings(params, name) for name in items})
+    # short-form and pairwise probes draw on the whole benchmark, questions outside the scored sample first
+    pool = {name: load_benchmark(params, name).items if any(u.role in ("short_form", "pairwise") and name in
+                                                             u.benchmarks for u in uses.values()) else scored
+            for name, scored in items.items()}
+    evaluated = {i.id for scored in items.values() for i in scored}
+    passages, note = None, ""
+    if any(u.role in ("criterion", "researchrubrics") for u in uses.values()):
+        path = params.corpus_path
+        if path.is_file():
+            passages = read_corpus(path, on_error="skip", max_passages=PROBE_PASSAGES).passages
+        else:
+            note = f"the corpus {path} (retrieval.corpus) is not on this machine"
+    results = C.calibrate_judges(params, judge, uses, pool, passages, note, evaluated)
+    path = params.run_dir / "eval" / "calibration.json"
+    known = read_json(path, "delete it; the next `scope eval` probes the judges again (cached replies)")["judges"] \
+        if path.is_file() else {}
+    known.update({jid: {**results[jid].to_record(), "id": jid, "benchmarks": use.benchmarks,
+                        "scorers": [list(p) for p in use.scorers], "settings": vars(use.settings)}
+                  for jid, use in uses.items()})
+    atomic_write_json(path, {"thresholds": cfg.model_dump(), "judges": known})
+    return {pair: (jid, results[jid]) for jid, use in uses.items() for pair in use.scorers}
+
+
+def load_calibration(params: Params) -> dict[str, Any]:
+    """The judges' calibrations recorded by `scope eval` (runs/<name>/eval/calibration.json), by judge id."""
+    path = params.run_dir / "eval" / "calibration.json"
+    return read_json(path, "delete it; the next `scope eval` probes the judges again")["judges"] \
+        if path.is_file() else {}
+
+
+def untrusted_judges(summaries: list[dict[str, Any]]) -> dict[str, tuple[Calibration, list[str]]]:
+    """The judges of these summaries that failed their probe: id -> (calibration, the benchmarks they scored)."""
+    found: dict[str, tuple[Calibration, list[str]]] = {}
+    for s in summaries:
+        for v in s["scorers"].values():
+            if v.get("trusted") is False:
+                calibration = Calibration.from_record(v["calibration"])
+                benchmarks = found.setdefault(v["judge_id"], (calibration, []))[1]
+                if s["benchmark"] not in benchmarks:
+                    benchmarks.append(s["benchmark"])
+    return found
+
+
 def _write_checkpoint_summary(params: Params, checkpoint: str) -> None:
     folder = eval_dir(params, checkpoint)
     merged = {}
     for path in sorted(folder.glob("*/summary.json")):
         s = read_json(path, "delete it; the next `scope eval` rewrites it from the stored records")
-        merged[s["benchmark"]] = {n: {k: v[k] for k in ("value", "ci95", "n_scored", "n_invalid_units")}
+        merged[s["benchmark"]] = {n: {k: v.get(k) for k in ("value", "ci95", "n_scored", "n_invalid_units", "trusted")}
                                   for n, v in s["scorers"].items()}
     atomic_write_json(folder / "summary.json", {"checkpoint": checkpoint, "benchmarks": merged})
 

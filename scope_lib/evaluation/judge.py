@@ -24,7 +24,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -381,3 +381,47 @@ class BenchmarkJudge:
             self.backend.close()
         if self.cache is not None:
             self.cache.close()
+
+
+@dataclass
+class Asked:
+    """What the judge said to one unit over its samples: the parsed verdict (None = invalid after every retry)
+    and every reply, request key and transport error, in order."""
+
+    verdict: Any = None
+    replies: list[str] = field(default_factory=list)
+    request_keys: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def history(self) -> dict[str, list[str]]:
+        return {"replies": self.replies, "request_keys": self.request_keys, "errors": self.errors}
+
+
+def ask_with_retries(judge: BenchmarkJudge, settings: JudgeSettings, jobs: Sequence[tuple[Hashable, Any, str]],
+                     retries: int) -> dict[Hashable, Asked]:
+    """Ask the judge every job (slot, unit, tag) in one batch per round; a reply that does not parse
+    (`unit.parse(text)` is None) or that the endpoint rejected is asked again with the next sample index, up to
+    `retries` more rounds. `unit` has `messages`, `prompt_version` and `parse` (`scorers.Unit`); `tag` is what
+    its cost is accounted under."""
+    asked: dict[Hashable, Asked] = {slot: Asked() for slot, _, _ in jobs}
+    pending = list(jobs)
+    for sample_index in range(retries + 1):
+        if not pending:
+            break
+        requests = [JudgeRequest(unit.messages, settings, unit.prompt_version, sample_index, tag)
+                    for _, unit, tag in pending]
+        replies = judge.complete(requests)
+        still = []
+        for (slot, unit, tag), reply in zip(pending, replies, strict=True):
+            a = asked[slot]
+            a.replies.append(reply.text)
+            a.request_keys.append(reply.key)
+            if reply.error:
+                a.errors.append(reply.error)
+            parsed = unit.parse(reply.text) if reply.error is None else None
+            if parsed is None:
+                still.append((slot, unit, tag))
+            else:
+                a.verdict = parsed
+        pending = still
+    return asked

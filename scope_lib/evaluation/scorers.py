@@ -92,6 +92,7 @@ class Scorer:
     name = "scorer"
     judged = True           # needs the LLM judge
     description = ""
+    calibration_role: str | None = None   # which calibration probe checks its judge (evaluation.calibration)
 
     def units(self, item, answer: str) -> list[Unit]:
         return []
@@ -302,6 +303,7 @@ class QAJudge(Scorer):
 
     name = "scope_paper"
     description = "LLM judge: semantic equivalence to any gold answer, strict binary grader"
+    calibration_role = "short_form"
 
     def units(self, item, answer):
         text = prompts.grader_prompt(item.question, answer, semantic_equivalence_rubric(
@@ -345,6 +347,8 @@ class HealthBenchScorer(Scorer):
     literally). Item = Σ points of met criteria / Σ positive points. official: no per-item clip, the final
     mean is clipped to [0, 1] (simple-evals); scope_paper: each item clipped to [0, 1] (the authors' code)."""
 
+    calibration_role = "criterion"
+
     def __init__(self, name: str):
         self.name = name
         self.description = ("points met / positive points; mean clipped to [0, 1]" if name == "official"
@@ -374,6 +378,7 @@ class ResearchRubricsScorer(Scorer):
 
     def __init__(self, name: str):
         self.name = name
+        self.calibration_role = "researchrubrics" if name == "official" else "criterion"
         self.description = ("weighted compliance over positive weights, unclipped; judge does not see the task"
                             if name == "official" else "criterion grader with the task; item clipped to [0, 1]")
 
@@ -403,6 +408,8 @@ class ResearchPlanGenScorer(Scorer):
     """One call per rubric item, weight 1; score = items met / items with a verdict. scope_paper: the grader sees
     the question as the Solver got it (the authors' wrapper around the goal); official (Goel et al.: share of
     rubric items satisfied): the grader sees the bare research goal."""
+
+    calibration_role = "criterion"
 
     def __init__(self, name: str):
         self.name = name
@@ -527,6 +534,8 @@ class ArenaHardScorer(Scorer):
     """Two games against the baseline's answer, positions swapped; strong verdicts count x3. official: questions
     with an invalid game are dropped and every exploded score is pooled (arena-hard-auto); scope_paper: each
     question's exploded scores are averaged first, then questions (the authors' code)."""
+
+    calibration_role = "pairwise"
 
     def __init__(self, name: str):
         self.name = name

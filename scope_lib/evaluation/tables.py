@@ -1,5 +1,7 @@
 """What notebook 05 shows of an evaluation: the paper's tables (2-3) from the stored summaries, gains over the
-base, invalid judge replies, the leave-one-out table, and the co-evolution matrix with the self-judge gap.
+base, invalid judge replies, each judge's calibration beside the scores it produced (greyed out when untrusted),
+the short-form judge's agreement with exact match, the leave-one-out table, and the co-evolution matrix with the
+self-judge gap.
 """
 
 from __future__ import annotations
@@ -57,9 +59,38 @@ def results_table(params: Params, checkpoints: list[str], kind: Literal["open_en
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def results_trust(params: Params, checkpoints: list[str], kind: Literal["open_ended", "short_form"],
+                  scorer: str = "scope_paper", *, run_dir: Path | None = None):
+    """The `results_table` layout holding, per cell, whether the judge behind the score passed its calibration
+    probe (True / False; None: no probe for that judge, or no score)."""
+    import pandas as pd
+
+    base = run_dir or params.run_dir
+    rows = {}
+    for ck in checkpoints:
+        row = {}
+        for n in _kind_benchmarks(kind):
+            path = base / "eval" / ck / n / "summary.json"
+            found = json.loads(path.read_text())["scorers"].get(scorer, {}) if path.is_file() else {}
+            row[BENCHMARKS[n].column] = found.get("trusted")
+        rows[ck] = row
+    return pd.DataFrame.from_dict(rows, orient="index", dtype=object)
+
+
+def grey_untrusted_cells(table, trust):
+    """A Styler of a `results_table` whose cells scored by an untrusted judge are greyed out (`results_trust`)."""
+    def style(column):
+        flags = trust[column.name] if column.name in trust else [None] * len(column)
+        return ["color: #9e9e9e; font-style: italic" if flag is False else "" for flag in flags]
+
+    return table.style.apply(style, axis=0).format(precision=1, na_rep="-")
+
+
 def summaries_frame(summaries: list[dict[str, Any]]):
     """One row per (checkpoint, benchmark, scorer): score x100 with its 95% CI, how many items were scored, how many
-    judge units stayed invalid (and the policy applied), and the share of rollouts that produced an answer."""
+    judge units stayed invalid (and the policy applied), the share of rollouts that produced an answer, and the
+    judge's calibration row: which judge, its probe's separation and invalid rate, and whether it is trusted
+    (None: no probe for this judge prompt, or no judge)."""
     import pandas as pd
 
     rows = []
@@ -67,14 +98,62 @@ def summaries_frame(summaries: list[dict[str, Any]]):
         answered = sum(v for k, v in s["answer_status"].items() if k != "missing")
         n = sum(s["answer_status"].values()) or 1
         for scorer, v in s["scorers"].items():
+            probe = v.get("calibration") or {}
             rows.append({"checkpoint": s["checkpoint"], "benchmark": s["benchmark"], "scorer": scorer,
                          "score": None if v["value"] is None else round(100 * v["value"], 1),
                          "95% CI": "-" if not v["ci95"] else f"{100 * v['ci95'][0]:.1f}-{100 * v['ci95'][1]:.1f}",
                          "scored": f"{v['n_scored']}/{v['n']}",
                          "invalid units": f"{v['n_invalid_units']}/{v['n_units']}",
                          "policy": v["invalid_policy"] if v["n_invalid_units"] else "",
-                         "answered": round(answered / n, 2)})
+                         "answered": round(answered / n, 2),
+                         "judge": v.get("judge_id") or ("none (no judge)" if v.get("judge") is None else "no probe"),
+                         "separation": _round(probe.get("separation")),
+                         "probe invalid": _round(probe.get("invalid_rate")),
+                         "trusted": v.get("trusted")})
     return pd.DataFrame(rows)
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def calibration_frame(calibrations: dict[str, dict[str, Any]]):
+    """One row per judge (`evaluate.load_calibration`, or the records of `scope_lib.evaluation.calibration`): its
+    probe's size, sensitivity, specificity, separation, invalid rate, position bias (pairwise), whether it is
+    trusted and why not."""
+    import pandas as pd
+
+    rows = []
+    for jid, c in calibrations.items():
+        rows.append({"judge": jid, "role": c["role"], "model": c["model"],
+                     "benchmarks": ", ".join(c.get("benchmarks", [])), "probes": c["n_items"],
+                     "sensitivity": _round(c["sensitivity"]), "specificity": _round(c["specificity"]),
+                     "separation": _round(c["separation"]), "invalid": _round(c["invalid_rate"]),
+                     "position bias": _round(c.get("position_bias")),
+                     "trusted": c["trusted"], "why not": "; ".join(c["reasons"])})
+    columns = ["judge", "role", "model", "benchmarks", "probes", "sensitivity", "specificity", "separation",
+               "invalid", "position bias", "trusted", "why not"]
+    return pd.DataFrame(rows, columns=columns).set_index("judge")
+
+
+def grey_untrusted(frame, column: str = "trusted"):
+    """A Styler of `frame` whose rows with `column` False are greyed out (a judge that failed its probe)."""
+    def style(row):
+        untrusted = row[column] is False or row[column] == False  # noqa: E712 - numpy bools too
+        return ["color: #9e9e9e; font-style: italic" if untrusted else "" for _ in row]
+
+    return frame.style.apply(style, axis=1).format(precision=2, na_rep="-")
+
+
+def agreement_frame(summaries: list[dict[str, Any]]):
+    """The short-form judge against exact match on the run's own answers (`calibration.em_agreement`), one row
+    per (checkpoint, benchmark): how often they agree, judge-yes with EM 0 and judge-no with EM 1, and the same
+    with F1."""
+    import pandas as pd
+
+    rows = [{"checkpoint": s["checkpoint"], "benchmark": s["benchmark"], **s["judge_agreement"]}
+            for s in summaries if s.get("judge_agreement")]
+    return pd.DataFrame(rows).set_index(["checkpoint", "benchmark"]) if rows else pd.DataFrame()
 
 
 def invalid_replies(params: Params, checkpoint: str, benchmark: str, limit: int = 3) -> list[dict[str, str]]:

@@ -32,6 +32,7 @@ Tasks (``<task>``), answers (``<answer>``) and every Judge prompt use the same X
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from importlib import resources
 from string import Template
@@ -39,6 +40,7 @@ from typing import Any
 
 __all__ = [
     "TaskTypeSpec", "TASK_TYPES", "GATES", "TEMPLATE_NAMES", "load_template", "template_placeholders",
+    "template_version",
     "challenger_prompt", "challenger_after_search", "challenger_malformed", "challenger_finish",
     "solver_prompt", "solver_malformed", "rubric_prompt", "grader_prompt", "gate_prompt", "format_documents",
     "judge_retry", "SOLVER_PROMPTS", "RUBRIC_PROMPTS",
@@ -110,6 +112,11 @@ def load_template(name: str) -> Template:
         raise ValueError(f"unknown prompt template {name!r}; available: {', '.join(TEMPLATE_NAMES)}")
     text = resources.files("scope_lib.protocol").joinpath("prompts", f"{stem}.txt").read_text(encoding="utf-8")
     return Template(text.rstrip("\n"))
+
+
+def template_version(name: str) -> str:
+    """`name@<hash of the template text>`: names the prompt a judge verdict came from (calibration records)."""
+    return f"{name}@{hashlib.sha256(load_template(name).template.encode()).hexdigest()[:10]}"
 
 
 def template_placeholders(name: str) -> list[str]:

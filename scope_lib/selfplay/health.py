@@ -12,6 +12,9 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 | judge_parse_failures  | more than 20% of a step's Judge replies never parsed                         |
 | no_reward             | no row of a step could be scored                                             |
 | empty_pool            | no candidate task survived the gates and the difficulty window               |
+| untrusted_judge       | the Judge's per-rubric grader failed its calibration probe when the run      |
+|                       | opened: separation below judge.calibration.min_separation, or more invalid   |
+|                       | replies than judge.calibration.max_invalid_rate (selfplay.calibration)       |
 """
 
 from __future__ import annotations
@@ -71,6 +74,17 @@ def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:
                        f"no candidate task survived the gates and the window (of {summary.get('candidates', 0)} "
                        "candidates): the Solver cannot train this iteration")]
     return []
+
+
+def check_calibration(calibration: dict[str, Any]) -> list[dict[str, Any]]:
+    """Alarms for a Judge calibration (`selfplay.calibration.Calibration.summary()`): the judge is untrusted."""
+    if calibration.get("trusted", True):
+        return []
+    separation = calibration.get("separation")
+    return [_alarm("untrusted_judge", {"role": "judge"}, separation, calibration.get("min_separation"),
+                   f"the {calibration.get('judge', 'judge')} ({calibration.get('model')}) failed its calibration "
+                   f"probe: {'; '.join(calibration.get('reasons') or [])}. Its grades drive the rewards: check "
+                   "the model and prompt before trusting this run (docs/evaluation.md, Judge calibration)")]
 
 
 def alarm_key(alarm: dict[str, Any]) -> tuple:

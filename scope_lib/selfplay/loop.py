@@ -35,6 +35,7 @@ from scope_lib.retrieval.corpus import document_range, read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import Stage, iteration_dir, write_manifest
 from scope_lib.selfplay import health, ranks
+from scope_lib.selfplay.calibration import Calibration, probe_grader
 from scope_lib.selfplay.checkpoints import latest_checkpoint
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
@@ -117,11 +118,18 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
 
         judge = make_judge(params, engine_for)
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
+    calibration = None
+    if ranks.is_main() and params.judge.calibration.enabled:  # the grader is probed before its grades count
+        calibration = probe_grader(judge, passages, params.judge.calibration, model=judge_models(params)["grading"],
+                                   seed=params.selfplay.seed)
     if ranks.is_main():
-        _write_manifest(params, judge, passages, fingerprint)
+        _write_manifest(params, judge, passages, fingerprint, calibration)
     ranks.barrier()
     run = SelfPlayRun(params, passages, retriever, get_dialect(params.model.dialect, params.model.base), policy,
                       judge, engine)
+    for alarm in health.check_calibration(calibration.summary()) if calibration is not None else []:
+        run.alarms.append(alarm)
+        health.report(alarm, run.run_dir)
     _restore_roles(run)
     return run
 
@@ -132,11 +140,13 @@ def _on_cpu(params: Params) -> bool:
     return not (torch.cuda.is_available() and params.engine.device != "cpu")
 
 
-def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None) -> None:
+def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None,
+                    calibration: Calibration | None = None) -> None:
     write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), model=params.model.base,
                    finetuning=params.model.finetuning,
                    seeds={"selfplay": params.selfplay.seed, "grpo": params.grpo.seed},
                    judge_models=judge_models(params), index=fingerprint,
+                   judge_calibration=calibration.to_record() if calibration is not None else None,
                    corpus={"path": str(params.corpus_path), "passages": len(passages),
                            "sha256": (fingerprint or {}).get("corpus_sha256")},
                    processes=ranks.world_size())
@@ -144,12 +154,14 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
 
 def science_yaml(params: Params) -> str:
     """The parameters that decide training results: everything but `run` (names and folders, so a run folder
-    can be moved and still resume), `evaluation` (how checkpoints are measured afterwards) and `model.loader`
-    (transformers and Unsloth load the same M0 and the same adapters: a run resumes with either)."""
+    can be moved and still resume), `evaluation` (how checkpoints are measured afterwards), `model.loader`
+    (transformers and Unsloth load the same M0 and the same adapters: a run resumes with either) and
+    `judge.calibration` (a probe of the grader when the run opens: it changes no grade)."""
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items() if k not in ("run", "evaluation")}
     science["model"].pop("loader")
+    science["judge"].pop("calibration")
     return yaml.safe_dump(science, sort_keys=True)
 
 

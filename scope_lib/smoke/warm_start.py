@@ -27,13 +27,15 @@ from typing import Any
 from scope_lib.config import Params, TinyModelConfig, WarmStartConfig
 from scope_lib.config import cache_dir as scope_cache_dir
 from scope_lib.models.tiny import TinyModelError, build_tiny_model, cache_key, cache_root, read_passages
-from scope_lib.retrieval.corpus import corpus_checksum
+from scope_lib.retrieval.corpus import corpus_checksum, read_corpus
 from scope_lib.runs import build_directory
+from scope_lib.smoke import eval_judge_teacher
 from scope_lib.smoke.teacher import (
     REASONED_GRADING_MAX_TOKENS,
     protocol_fingerprint,
     protocol_texts,
     sft_passes,
+    split_documents,
     swappable_names,
     teacher_examples,
 )
@@ -142,6 +144,12 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws:
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     examples, stats = teacher_examples(tokenizer, corpus_path, ws, index_dir)
+    if ws.eval_judges:  # the evaluation judges' prompts, from the same documents (smoke.eval_judge_teacher)
+        documents = split_documents(read_corpus(corpus_path).passages, ws)[0][:ws.documents]
+        for trace in eval_judge_teacher.eval_judge_traces(tokenizer, documents, ws):
+            examples.append(trace.example)
+            stats.add(trace.example)
+            stats.count(trace.role, trace.verdict)
     teacher_s = time.perf_counter() - started
     passes = sft_passes(examples, tokenizer, ws)
     dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in passes],
@@ -210,8 +218,12 @@ def describe_warm_start(path: str | os.PathLike) -> dict[str, Any]:
 
 def _shape(ws: WarmStartConfig) -> dict[str, Any]:
     """The warm-start settings that decide the weights (never the SFT thread count: 1 and 2 threads gave
-    bit-identical weights on the tiny model)."""
-    return ws.model_dump(mode="json", exclude={"threads", "enabled"})
+    bit-identical weights on the tiny model). `eval_judges` appears only when on, with a fingerprint of what its
+    traces are made of, so models built before the option existed keep their cache keys."""
+    shape = ws.model_dump(mode="json", exclude={"threads", "enabled", "eval_judges"})
+    if ws.eval_judges:
+        shape["eval_judges"] = eval_judge_teacher.fingerprint()
+    return shape
 
 
 def warm_cache_key(corpus_path: str | os.PathLike, cfg: TinyModelConfig, ws: WarmStartConfig) -> str:
@@ -283,6 +295,12 @@ def prepare(params: Params, cache_dir: str | os.PathLike | None = None) -> Param
         raise ValueError(f"model.warm_start.grade_reasoning: the reasoned grades take up to "
                          f"{REASONED_GRADING_MAX_TOKENS} tokens; judge.grading_max_tokens is "
                          f"{params.judge.grading_max_tokens} (raise it, or turn grade_reasoning off)")
+    e, limit = params.evaluation, eval_judge_teacher.EVAL_JUDGE_MAX_TOKENS
+    short = [(k, j.max_tokens) for k, j in (("short_form_judge", e.short_form_judge),
+                                            ("open_ended_judge", e.open_ended_judge)) if j.max_tokens < limit]
+    if ws.eval_judges and short:
+        raise ValueError(f"model.warm_start.eval_judges: the taught judge replies take up to {limit} tokens; "
+                         f"evaluation.{short[0][0]}.max_tokens is {short[0][1]} (raise it, or turn eval_judges off)")
     if base == "tiny":
         params.use_local_model("tiny", warm_model_path(params.corpus_path, params.model.tiny, ws, cache_dir))
     else:
