@@ -41,8 +41,12 @@ def task_names(context: str) -> list[str]:
 
 class PlantedEngine(ScriptedEngine):
     """The scripted engine with a planted Solver signal: M0 (adapter None) answers "I do not know" in half of its
-    final answers (seeded by the call's seed and the row), the adapter named 'trained' names every entity of the
-    task (every rubric holds)."""
+    final answers (seeded by the call's seed and the row), an adapter in `trained` names every entity of the task
+    (every rubric holds); any other adapter answers like M0."""
+
+    def __init__(self, *args, trained=("trained",), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = set(trained)
 
     def generate(self, prompt_token_ids, sampling, adapter=None):
         out = super().generate(prompt_token_ids, sampling, adapter)
@@ -50,7 +54,7 @@ class PlantedEngine(ScriptedEngine):
             context = self.tokenizer.decode(ids)
             if self.role(context) != "solver" or "<answer>" not in out[i].text:
                 continue
-            if adapter == "trained":
+            if adapter in self.trained:
                 named = ", ".join(task_names(context) + ["the source document"])
                 out[i] = self._complete(f"<think>I know this.</think>\n<answer>It is about {named}.</answer>",
                                         sampling)
@@ -206,3 +210,63 @@ def test_paired_bootstrap_is_seeded_and_needs_two_tasks():
     assert paired_bootstrap([0.5] * 4, 100, 0) == (0.5, 0.5)
     with pytest.raises(ValueError, match="at least 2 tasks"):
         paired_bootstrap([0.3], 100, 0)
+
+
+def fake_run(folder, params, control: str):
+    """A run folder as `scope train` leaves it, for the check's bookkeeping: params.yaml, manifest.json and an
+    iteration-1 Solver adapter (its weights never load: the scripted engine plays it by name)."""
+    trained = params.model_copy(deep=True)
+    trained.grpo.reward_control = control
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(trained.to_yaml())
+    (folder / "manifest.json").write_text(f'{{"reward_control": "{control}"}}')
+    adapter = folder / "iter_01" / "solver" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(control.encode())
+    return folder / "iter_01" / "solver"
+
+
+def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenizer, tmp_path, monkeypatch, capsys):
+    """`scope learning-check compare` end to end: a trained run and its shuffled-reward control, the verdict
+    printed and written, everything reused by a second call (no model opened), and the refusals."""
+    import json
+
+    from scope_lib.cli import main
+    from scope_lib.evaluation import learning_check
+
+    scripted = PlantedEngine(tiny_tokenizer, DIALECT, trained={"iter_01-solver"})
+    opened = []
+
+    def open_policies(params, checkpoints, engine=None):   # the scripted engine stands in for M0 and the adapters
+        opened.append([ck.name for ck in checkpoints])
+        return {ck.name: Policy(ck, scripted, None if ck.kind == "base" else ck.name) for ck in checkpoints}
+
+    monkeypatch.setattr(learning_check, "open_policies", open_policies)
+    monkeypatch.setattr(learning_check, "model_identity", lambda params: "scripted")
+    monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    run = params.model_copy(deep=True)
+    run.run.runs_dir = str(tmp_path / "runs")
+    run.model.warm_start.enabled = False           # M0 is the scripted engine: nothing to warm-start
+    fake_run(run.run_dir, run, "none")
+    control = fake_run(tmp_path / "runs" / "control", run, "shuffled")
+    (tmp_path / "p.yaml").write_text(run.to_yaml())
+    args = ["learning-check", "compare", str(tmp_path / "p.yaml"), "--after", "iter_01/solver"]
+    assert main(args + ["--control", str(control)]) == 0
+    out = capsys.readouterr().out
+    assert "learned: the gain" in out and "control-iter_01-solver" in out
+    written = json.loads((run.run_dir / "learning_check" / "iter_01-solver-vs-base.json").read_text())
+    assert written["verdict"]["learned"] and written["trained"]["ci95"][0] > 0 and written["control"]["tasks"] == 10
+    assert opened == [["base", "iter_01-solver", "control-iter_01-solver"]]
+    calls = scripted.calls
+    assert main(args + ["--control", str(control)]) == 0                      # everything stored: nothing opened
+    assert scripted.calls == calls and len(opened) == 1 and "learned: the gain" in capsys.readouterr().out
+    # a trained run given as the control, a control given as the trained run, no reserved documents
+    assert main(args + ["--control", "iter_01/solver"]) == 2
+    assert "is a trained run, not a control" in capsys.readouterr().err
+    assert main(["learning-check", "compare", str(tmp_path / "p.yaml"), "--after", str(control)]) == 2
+    assert "give it as the control" in capsys.readouterr().err
+    assert main(args + ["-o", "learning_check.held_out_documents=0"]) == 2
+    assert "held_out_documents is 0" in capsys.readouterr().err
+    assert main(args + ["-o", "learning_check.held_out_documents=80"]) == 2   # the run reserved only 40
+    assert "may come from training documents" in capsys.readouterr().err

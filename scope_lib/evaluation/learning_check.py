@@ -710,28 +710,22 @@ def _unique(checkpoints: dict[str, Checkpoint]) -> dict[str, Checkpoint]:
     return out
 
 
-def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
-              control: str | Checkpoint | None = None, metric: str = "score", engine: Engine | None = None,
-              components: CheckComponents | None = None, policies: dict[str, Policy] | None = None,
-              model_id: str | None = None, root: str | Path | None = None, write: bool = True,
-              progress: bool = True) -> LearningCheck:
-    """`scope learning-check compare`: the held-out set (built or reused), `before`, `after` and the optional
-    `control` evaluated (stored evaluations reused: nothing loads when all are stored), the paired comparisons and
-    the verdict, written to <run>/learning_check/<after>-vs-<before>.json. `engine` / `components` / `policies`
-    (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
-    if metric not in METRICS:
-        raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
-    specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
-    checkpoints = _unique({role: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
-                           for role, spec in specs.items()})
-    for role, ck in checkpoints.items():
-        check_training(params, ck, role)
+def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint], *, seed: int | None = None,
+                         engine: Engine | None = None, components: CheckComponents | None = None,
+                         policies: dict[str, Policy] | None = None, model_id: str | None = None,
+                         root: str | Path | None = None, progress: bool = True
+                         ) -> tuple[HeldOutSet, dict[str, CheckpointEvaluation]]:
+    """`scope learning-check evaluate`: the held-out set (built or reused) and each checkpoint's evaluation, keyed
+    like `checkpoints` (stored evaluations are read back; no model loads when every one is stored). `engine` /
+    `components` / `policies` (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
+    resolved = _unique({key: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
+                        for key, spec in checkpoints.items()})
     opened: dict[str, Any] = {}
 
     def open_all() -> dict[str, Any]:
         if not opened:
             lent = components.engine if components is not None else engine
-            wanted = [ck for ck in dict.fromkeys(checkpoints.values()) if ck.name not in (policies or {})]
+            wanted = [ck for ck in dict.fromkeys(resolved.values()) if ck.name not in (policies or {})]
             opened["policies"] = {**(policies or {}), **(open_policies(params, wanted, engine=lent) if wanted else {})}
             m0 = lent or base_engine(opened["policies"]) or make_engine(params, "policy")
             opened["components"] = components or open_components(params, engine=m0)
@@ -739,9 +733,28 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
 
     held_out = held_out_set(params, lambda: open_all()["components"], model_id=model_id, root=root, progress=progress)
     evaluations = {}
+    for key, ck in resolved.items():
+        evaluations[key] = stored_evaluation(params, held_out, ck, seed) or evaluate_checkpoint(
+            params, held_out, open_all()["policies"][ck.name], open_all()["components"], seed=seed,
+            progress=progress)
+    return held_out, evaluations
+
+
+def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
+              control: str | Checkpoint | None = None, metric: str = "score", write: bool = True,
+              **lent: Any) -> LearningCheck:
+    """`scope learning-check compare`: `before`, `after` and the optional shuffled-reward `control` evaluated on the
+    held-out set (`evaluate_checkpoints`, which takes `lent` models), the paired comparisons with `before`, and
+    the verdict, written to <run>/learning_check/<after>-vs-<before>.json. Refuses a checkpoint whose run could
+    have trained on the held-out documents, or whose run's `grpo.reward_control` says it plays the other role."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
+    specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
+    checkpoints = _unique({role: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
+                           for role, spec in specs.items()})
     for role, ck in checkpoints.items():
-        evaluations[role] = stored_evaluation(params, held_out, ck) or evaluate_checkpoint(
-            params, held_out, open_all()["policies"][ck.name], open_all()["components"], progress=progress)
+        check_training(params, ck, role)
+    held_out, evaluations = evaluate_checkpoints(params, checkpoints, **lent)
     lc = params.learning_check
 
     def comparison(role: str) -> Comparison:
