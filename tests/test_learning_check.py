@@ -270,3 +270,27 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     assert "held_out_documents is 0" in capsys.readouterr().err
     assert main(args + ["-o", "learning_check.held_out_documents=80"]) == 2   # the run reserved only 40
     assert "may come from training documents" in capsys.readouterr().err
+
+
+def test_the_learning_check_figure_and_table(built, params):
+    from scope_lib.evaluation.learning_check import LearningCheck
+    from scope_lib.reports.analysis import learning_check_figure, learning_check_table
+
+    held_out, c, *_ = built
+    m0 = evaluate_checkpoint(params, held_out, policy("base", c.engine, None), c, progress=False)
+    trained = evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c, progress=False)
+    drift = evaluate_checkpoint(params, held_out, policy("control", c.engine, None), c, seed=3, progress=False)
+    gain, control = compare_evaluations(m0, trained), compare_evaluations(m0, drift)
+    check = LearningCheck(held_out, {"before": m0, "after": trained, "control": drift}, gain, control,
+                          learning_verdict(gain, control))
+    table = learning_check_table(check)
+    assert table["role"].tolist() == ["before", "after", "control"]
+    assert table["gain (score)"].tolist()[1:] == [pytest.approx(gain.gain), pytest.approx(control.gain)]
+    fig = learning_check_figure(check)
+    assert fig.layout.title.text.startswith("Learning check: trained vs base") and "learned" in fig.layout.title.text
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text and fig.layout.yaxis2.title.text
+    after = next(t for t in fig.data if t.name == "after: trained")
+    assert sorted(after.y) == sorted(gain.values_after) and len(after.x) == gain.n_tasks
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [b.x[0] for b in bars] == ["trained", "control"] and bars[0].y[0] == pytest.approx(gain.gain)
+    assert bars[0].error_y.array[0] == pytest.approx(gain.ci95[1] - gain.gain)
