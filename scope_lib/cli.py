@@ -247,7 +247,7 @@ def cmd_check_build(args) -> int:
     s = held_out.summary
     lo, hi = s["window"]
     m0 = "-" if s["m0_mean_score"] is None else f"{s['m0_mean_score']:.3f}"
-    print(f"held-out set: {s['tasks']} task(s) of {s['candidates']} candidate(s) on {s['documents']} of "
+    print(f"held-out set: {s['tasks']} task(s) ({s['built']} built) of {s['candidates']} candidate(s) on {s['documents']} of "
           f"{s['held_out_documents']} reserved document(s); kept where M0's mean rubric score over K = {s['samples']} "
           f"lies in [{lo:g}, {hi:g}] ({s['in_difficulty_window']} inside the difficulty window); M0's mean {m0}")
     print(held_out.path)

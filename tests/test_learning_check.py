@@ -129,6 +129,7 @@ def test_the_held_out_set_is_m0s_tasks_on_reserved_documents_near_the_window(bui
         assert task.document_id in reserved and task.gates_passed and task.rubrics
         assert len(task.solver_scores) == params.learning_check.samples and lo <= task.mean_score <= hi
     assert held_out.summary["stopped"] == "target" and held_out.summary["candidates"] > len(held_out.tasks)
+    assert held_out.summary["built"] >= len(held_out.tasks)                  # whole batches: maybe a few more
     assert (held_out.path / "fingerprint.json").is_file()
 
 
@@ -294,3 +295,17 @@ def test_the_learning_check_figure_and_table(built, params):
     bars = [t for t in fig.data if t.type == "bar"]
     assert [b.x[0] for b in bars] == ["trained", "control"] and bars[0].y[0] == pytest.approx(gain.gain)
     assert bars[0].error_y.array[0] == pytest.approx(gain.ci95[1] - gain.gain)
+
+
+def test_asking_for_more_tasks_extends_the_set(built, params, retriever, passages, tiny_tokenizer, tmp_path):
+    held_out, _, root, _ = built
+    more = params.model_copy(deep=True)
+    more.learning_check.tasks = held_out.summary["built"] + 4
+    grown_with = components(params, retriever, passages, tiny_tokenizer)
+    grown = held_out_set(more, grown_with, model_id="scripted", root=root, progress=False)
+    assert grown.path == held_out.path and len(grown.tasks) == more.learning_check.tasks
+    assert [t.to_record() for t in grown.tasks[:len(held_out.tasks)]] == [t.to_record() for t in held_out.tasks]
+    fresh_with = components(params, retriever, passages, tiny_tokenizer)
+    fresh = held_out_set(more, fresh_with, model_id="scripted", root=tmp_path, progress=False)
+    assert [t.to_record() for t in fresh.tasks] == [t.to_record() for t in grown.tasks]   # as if built at once
+    assert 0 < grown_with.engine.calls < fresh_with.engine.calls                       # only the new batches ran

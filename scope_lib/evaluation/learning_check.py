@@ -141,8 +141,9 @@ _RETRIEVAL_OPERATIONAL = {"corpus_url", "corpus_sha256", "fetch_max_passages", "
 
 def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> dict[str, Any]:
     """Everything a held-out task and M0's pre-screen depend on: M0, the corpus bytes and slice, the document
-    permutation, the check's sizes, the window, the Challenger's and Solver's prompts, sampling and budgets, the
-    Judge, retrieval and the generation back end (vLLM and transformers sample differently)."""
+    permutation, the reserved documents, K, the batch size, the window, the Challenger's and Solver's prompts,
+    sampling and budgets, the Judge, retrieval and the generation back end (vLLM and transformers sample
+    differently). Not `learning_check.tasks`: asking for more tasks extends the same set."""
     p, lc = params, params.learning_check
     return {
         "version": HELD_OUT_VERSION, "model": model_id, "dialect": p.model.dialect, "dtype": p.model.dtype,
@@ -150,8 +151,7 @@ def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> d
         "corpus": {"sha256": corpus_sha256, "max_passages": p.retrieval.max_passages,
                    "on_error": p.retrieval.on_error},
         "permutation_seed": p.selfplay.seed, "window": list(screen_window(p)),
-        "learning_check": lc.model_dump(mode="json", include={"held_out_documents", "tasks", "samples",
-                                                               "batch_size"}),
+        "learning_check": lc.model_dump(mode="json", include={"held_out_documents", "samples", "batch_size"}),
         "selfplay": p.selfplay.model_dump(mode="json", include={"task_types", "search_turn_strata",
                                                                 "document_max_tokens", "rollout_prompt_tokens"}),
         "challenger": p.challenger.model_dump(mode="json", include={"max_prompt_tokens", "max_turns",
@@ -230,7 +230,8 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
     """The held-out task set of these params, built on first use (module docstring, 1) and read back after.
     `components` (or a function returning them, called only when something must be built) default to
     `open_components(params)`; `model_id` to `model_identity(params)`; `root` to the `heldout` cache folder. A
-    build killed mid-way resumes batch by batch; two processes building the same set wait for each other."""
+    build killed mid-way resumes batch by batch; a set built for fewer tasks is extended with more batches; two
+    processes building the same set wait for each other."""
     from filelock import FileLock
 
     _check_reserved(params)
@@ -238,8 +239,15 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
     folder, key, fingerprint = held_out_folder(params, model_id or model_identity(params),
                                                _corpus_sha256(params, base), base)
     stage = Stage(folder)
-    if not stage.done:
+
+    def short() -> bool:  # built, but for fewer tasks than asked while reserved documents remain
+        summary = stage.summary
+        return summary.get("stopped") == "target" and summary["tasks"] < params.learning_check.tasks
+
+    if not stage.done or short():
         with FileLock(str(folder / ".lock")):
+            if stage.done and short():
+                (folder / "DONE").unlink()
             if not stage.done:
                 atomic_write_json(folder / "fingerprint.json", fingerprint)
                 if components is None:
@@ -251,14 +259,15 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
 
 
 def load_held_out(folder: str | Path, params: Params) -> HeldOutSet:
-    """A finished held-out set read back from its folder (the first `learning_check.tasks` of its tasks)."""
+    """A finished held-out set read back from its folder: the first `learning_check.tasks` of its tasks (in batch
+    order; `summary["built"]` says how many there are)."""
     stage = Stage(folder)
     summary = stage.summary
     if not summary:
         raise RunError(f"{folder} holds no finished held-out set (no DONE): build it with `scope learning-check "
                        "build PARAMS`")
-    tasks = [TaskEvaluation.from_record(rec) for rec in stage.records("tasks")]
-    return HeldOutSet(Path(folder), summary["key"], tasks[:params.learning_check.tasks], summary)
+    tasks = [TaskEvaluation.from_record(rec) for rec in stage.records("tasks")][:params.learning_check.tasks]
+    return HeldOutSet(Path(folder), summary["key"], tasks, {**summary, "built": summary["tasks"], "tasks": len(tasks)})
 
 
 def success_rate(scores: list[float], threshold: float) -> float:
@@ -309,8 +318,7 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
             trajectories, {q.id: q for q in batch}, params=params, judge=c.judge, solver_engine=c.engine,
             retriever=c.retriever, dialect=c.dialect, n_solver=lc.samples, solver_adapter=None,
             grading_temperature=params.judge.grading_temperature, seed=_seed("held-out/screen", sp.seed, k))
-        in_window = filter_tasks(evals, window, 1)
-        kept = in_window[:lc.tasks - before]
+        kept = filter_tasks(evals, window, 1)  # every one: a set asked for more tasks later grows by whole batches
         kept_ids = {e.challenger_id for e in kept}
         by_id = {t.id: t for t in trajectories}
         candidates.append({"id": e.challenger_id, "chunk": k, "kept": e.challenger_id in kept_ids,
@@ -320,12 +328,12 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
                       "m0_success_rate": success_rate(e.solver_scores, lc.success_threshold)} for e in kept)
         chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals), "kept": len(kept),
                         "with_task": sum(e.task is not None for e in evals),
-                        "passed_gates": sum(e.gates_passed for e in evals), "in_window": len(in_window),
+                        "passed_gates": sum(e.gates_passed for e in evals),
                         "engine_calls": written.engine_calls + screened.engine_calls,
                         "judge_unparseable": c.judge.stats.totals()["unparseable"] - unparseable}])
         finished.add(k)
         kept_per_batch[k] = len(kept)
-        bar.update(len(kept))
+        bar.update(min(len(kept), max(0, lc.tasks - bar.n)))
     else:
         if sum(kept_per_batch.values()) >= lc.tasks:
             stopped = "target"
@@ -334,7 +342,7 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
     markers = list(chunks)
     scores = [rec["mean_score"] for rec in kept_records]
     lo, hi = sp.difficulty_window
-    summary = {"key": key, "tasks": len(kept_records), "target": lc.tasks, "candidates": len(candidates),
+    summary = {"key": key, "tasks": len(kept_records), "asked": lc.tasks, "candidates": len(candidates),
                "batches": len(markers), "documents": sum(m["candidates"] for m in markers),
                "held_out_documents": lc.held_out_documents, "window": list(window),
                "difficulty_window": [lo, hi], "in_difficulty_window": sum(lo <= g <= hi for g in scores),
