@@ -680,6 +680,7 @@ def checkpoint_training(params: Params, ck: Checkpoint) -> Params | None:
 def check_training(params: Params, ck: Checkpoint, role: str) -> None:
     """Refuse a checkpoint whose run could have trained on the held-out documents, a control run given as the
     trained one, or a trained run given as the control (each run records `grpo.reward_control`)."""
+    _check_reserved(params)
     trained = checkpoint_training(params, ck)
     if trained is None:
         if ck.kind != "base":
@@ -724,10 +725,13 @@ def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint
                          root: str | Path | None = None, progress: bool = True
                          ) -> tuple[HeldOutSet, dict[str, CheckpointEvaluation]]:
     """`scope learning-check evaluate`: the held-out set (built or reused) and each checkpoint's evaluation, keyed
-    like `checkpoints` (stored evaluations are read back; no model loads when every one is stored). `engine` /
-    `components` / `policies` (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
+    like `checkpoints` (stored evaluations are read back; no model loads when every one is stored). A key that is a
+    role ('after', 'control') is checked for it too (`check_training`). `engine` / `components` / `policies`
+    (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
     resolved = _unique({key: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
                         for key, spec in checkpoints.items()})
+    for key, ck in resolved.items():
+        check_training(params, ck, key)
     opened: dict[str, Any] = {}
 
     def open_all() -> dict[str, Any]:
@@ -758,11 +762,7 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
     specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
-    checkpoints = _unique({role: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
-                           for role, spec in specs.items()})
-    for role, ck in checkpoints.items():
-        check_training(params, ck, role)
-    held_out, evaluations = evaluate_checkpoints(params, checkpoints, **lent)
+    held_out, evaluations = evaluate_checkpoints(params, specs, **lent)
     lc = params.learning_check
 
     def comparison(role: str) -> Comparison:
