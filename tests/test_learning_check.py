@@ -158,6 +158,8 @@ def test_a_killed_build_resumes_without_losing_or_duplicating_tasks(built, param
         held_out_set(params, crashing, model_id="scripted", root=tmp_path, progress=False)
     folder = next(tmp_path.glob("tiny-*"))
     assert not (folder / "DONE").exists() and (folder / "chunks.jsonl").read_text().strip()   # a batch was kept
+    with open(folder / "tasks.jsonl", "a") as f:   # the kill landed while batch 1's records were being written
+        f.write('{"id": "h0001-0/g0", "chunk": 1, "task": "half a batch"}\n{"id": "h0001-1/g0", "ch')
     resumed = components(params, retriever, passages, tiny_tokenizer)
     again = held_out_set(params, resumed, model_id="scripted", root=tmp_path, progress=False)
     ids = [t.challenger_id for t in again.tasks]
