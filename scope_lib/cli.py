@@ -15,6 +15,9 @@
                                                  benchmarks -> <run>/eval/<checkpoint>/ (exit 4: a judge failed
                                                  its calibration probe; its scores are written marked untrusted)
     scope runs verify RUN                        checksums and tensors of every saved checkpoint of a run
+    scope learning-check build PARAMS            the held-out task set (M0's tasks on documents training never samples)
+    scope learning-check evaluate PARAMS --checkpoint base iter_01/solver   per-task scores on it -> the set's cache
+    scope learning-check compare PARAMS --after iter_01/solver [--control RUN/iter_01/solver]   gain, 95% CI, verdict
 
 train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
 (bad parameters, a missing or damaged file, disk full, permissions, a locked run, a server down) ends in one
@@ -250,6 +253,60 @@ def cmd_eval(args) -> int:
     return UNTRUSTED_JUDGE_EXIT if untrusted and not accepted else 0
 
 
+def cmd_check_build(args) -> int:
+    from scope_lib.evaluation.learning_check import held_out_set
+
+    held_out = held_out_set(_torch_params(args, models=True))
+    s = held_out.summary
+    lo, hi = s["window"]
+    m0 = "-" if s["m0_mean_score"] is None else f"{s['m0_mean_score']:.3f}"
+    print(f"held-out set: {s['tasks']} task(s) ({s['built']} built) of {s['candidates']} candidate(s) on {s['documents']} of "
+          f"{s['held_out_documents']} reserved document(s); kept where M0's mean rubric score over K = {s['samples']} "
+          f"lies in [{lo:g}, {hi:g}] ({s['in_difficulty_window']} inside the difficulty window); M0's mean {m0}")
+    print(held_out.path)
+    return 0
+
+
+def _mean_with_interval(values: list[float], params) -> str:
+    from scope_lib.evaluation.learning_check import paired_bootstrap
+
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return f"{mean:.3f}"
+    lo, hi = paired_bootstrap(values, params.learning_check.bootstrap_samples, params.learning_check.seed)
+    return f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def cmd_check_evaluate(args) -> int:
+    from scope_lib.evaluation.learning_check import evaluate_checkpoints
+
+    params = _torch_params(args, models=True)
+    held_out, evaluations = evaluate_checkpoints(params, {c: c for c in args.checkpoint}, seed=args.seed)
+    print(f"{'checkpoint':<28} {'tasks':>5}  {'mean rubric score [95% CI]':<28} success rate")
+    for ev in evaluations.values():
+        print(f"{ev.checkpoint:<28} {len(ev.results):>5}  {_mean_with_interval(list(ev.values('score').values()), params):<28} "
+              f"{ev.success_rate:.3f}")
+    print(f"held-out set: {held_out.path}")
+    return 0
+
+
+def cmd_check_compare(args) -> int:
+    from scope_lib.evaluation.learning_check import run_check
+
+    params = _torch_params(args, models=True)
+    check = run_check(params, args.after, before=args.before, control=args.control, metric=args.metric)
+    print(f"{'role':<8} {'checkpoint':<28} {'tasks':>5} {'score':>6} {'success':>8} {'gain':>7}  95% CI")
+    for row in check.table():
+        gain = row[f"gain ({args.metric})"]
+        interval = row["95% interval"]
+        print(f"{row['role']:<8} {row['checkpoint']:<28} {row['tasks']:>5} {row['mean rubric score']:>6.3f} "
+              f"{row['success rate']:>8.3f} {'' if gain is None else f'{gain:+.3f}':>7}  "
+              f"{'' if interval is None else f'[{interval[0]:+.3f}, {interval[1]:+.3f}]'}")
+    print(check.verdict.reason)
+    print(f"written: {params.run_dir / 'learning_check' / f'{check.trained.after}-vs-{check.trained.before}.json'}")
+    return 0
+
+
 def cmd_runs_verify(args) -> int:
     from pathlib import Path
 
@@ -347,6 +404,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exit 0 although a judge failed its calibration probe (its scores stay marked untrusted; "
                          "params: evaluation.accept_untrusted_judge)")
     ev.set_defaults(func=cmd_eval)
+
+    check = sub.add_parser("learning-check", help="did a run's Solver learn? held-out tasks, a control, a verdict")
+    check = check.add_subparsers(dest="what", required=True)
+    with_params(check.add_parser("build", help="build (or reuse) the held-out task set"),
+                positional=True).set_defaults(func=cmd_check_build)
+    check_eval = with_params(check.add_parser("evaluate", help="score checkpoints on the held-out set"),
+                             positional=True)
+    check_eval.add_argument("--checkpoint", nargs="+", required=True, metavar="C",
+                            help="base, iter_NN/solver or a path to an adapter or model folder")
+    check_eval.add_argument("--seed", type=int, default=None, help="rollout seed (default learning_check.seed)")
+    check_eval.set_defaults(func=cmd_check_evaluate)
+    compare = with_params(check.add_parser("compare", help="paired gain with a 95%% interval, and the verdict"),
+                          positional=True)
+    compare.add_argument("--after", required=True, metavar="C", help="the trained checkpoint (e.g. iter_01/solver)")
+    compare.add_argument("--before", default="base", metavar="C", help="what it is compared with (default base = M0)")
+    compare.add_argument("--control", default=None, metavar="C",
+                         help="the same checkpoint of a run trained with -o grpo.reward_control=shuffled")
+    compare.add_argument("--metric", choices=["score", "success"], default="score",
+                         help="per-task mean rubric score (default) or success rate")
+    compare.set_defaults(func=cmd_check_compare)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)
     verify = runs.add_parser("verify", help="check every saved checkpoint of a run; exit 1 on a damaged one")

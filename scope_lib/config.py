@@ -465,6 +465,10 @@ class GRPOConfig(Section):
     importance_sampling_clip: float = Field(3.0, gt=1.0, description="Cap (truncate) or cut-off (mask) of that ratio.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         [], description="Also log TRL's metrics there (off by default; metrics.jsonl is always written).")
+    reward_control: Literal["none", "shuffled"] = Field(
+        "none", description="'none' = train on the rewards (the paper). 'shuffled' = the learning check's control: "
+        "the same GRPO steps with each batch's rewards permuted among its rows (seeded; same rewards, no "
+        "information), so a gain it shows is drift, not learning (docs/training.md, 'The learning check').")
 
     def learning_rate_for(self, finetuning: str) -> float:
         """The rate this run trains with: the configured one, or the mode's documented default."""
@@ -624,6 +628,36 @@ class EvaluationConfig(Section):
         return data
 
 
+class LearningCheckConfig(Section):
+    """The learning check (not in the paper; docs/training.md, 'The learning check'): a frozen held-out task set
+    written by M0 on documents training never samples, on which any Solver checkpoint is scored and two are
+    compared with a paired bootstrap interval (`scope learning-check`, scope_lib/evaluation/learning_check.py)."""
+
+    held_out_documents: int = Field(
+        0, ge=0, description="Documents reserved from the END of the run's document permutation (selfplay.seed) "
+        "for the held-out tasks: Stage 1 and the task pool never sample them. 0 = none (the paper). Set it "
+        "before training a run you mean to check: the check refuses a run trained with fewer.")
+    tasks: int = Field(48, ge=1, description="Held-out tasks to keep; the build stops there or when the reserved "
+                       "documents run out.")
+    samples: int = Field(4, ge=1, description="K: Solver rollouts per task, for M0's pre-screen and for each "
+                         "checkpoint's evaluation, at the training sampling (solver.temperature, solver.top_p).")
+    window_margin: float = Field(
+        0.15, ge=0.0, le=0.5, description="The pre-screen keeps tasks whose M0 mean rubric score over K rollouts "
+        "lies in selfplay.difficulty_window widened by this on each side, clipped to [0, 1] (default [0.05, "
+        "0.95]): near the window, not only in it, so K small samples do not throw good tasks away.")
+    batch_size: int = Field(16, ge=1, description="Reserved documents per candidate batch of the build (its unit "
+                            "of resume).")
+    eval_batch_tasks: int = Field(64, ge=1, description="Tasks per evaluation batch (x K rollouts per engine call; "
+                                  "the unit of resume).")
+    success_threshold: float = Field(
+        0.5, gt=0.0, le=1.0, description="A rollout succeeds when its rubric score g (eq. 1) reaches this; a "
+        "task's success rate is the share of its K rollouts that do.")
+    bootstrap_samples: int = Field(2000, ge=100, description="Bootstrap resamples of the tasks for the 95% "
+                                   "interval of a paired difference.")
+    seed: int = Field(0, description="Seed of the evaluation rollouts (the same for every checkpoint: paired "
+                      "samples; not the pre-screen's) and of the bootstrap.")
+
+
 class RunConfig(Section):
     """Where a run lives and how it is named."""
 
@@ -652,7 +686,7 @@ class RunConfig(Section):
 
 class Params(Section):
     """Every parameter of a SCOPE run. Sections mirror the method: model, judge, retrieval, self-play,
-    the two roles, GRPO, engines, evaluation."""
+    the two roles, GRPO, engines, evaluation, the learning check."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -664,6 +698,7 @@ class Params(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    learning_check: LearningCheckConfig = Field(default_factory=LearningCheckConfig)
 
     #: Models built by a step above the loader (the smoke warm start): model name -> local folder. Not a
     #: parameter (never saved or compared); `scope_lib.models.loading.model_source` reads it.

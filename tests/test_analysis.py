@@ -55,3 +55,22 @@ def test_rubric_overlap():
     assert rubric_overlap(a, a) == 1.0
     assert 0 < rubric_overlap(a, b) < 1
     assert rubric_overlap(a, c) == 0.0
+
+
+def test_learning_signals_figure_per_step_and_role():
+    import pandas as pd
+
+    from scope_lib.reports.analysis import learning_signals_figure
+
+    metrics = pd.DataFrame([{"role": role, "global_step": k, "zero_spread_share": share, "entropy": 1.5 - k / 10,
+                             "reward": 0.4 + k / 20}
+                            for role in ("challenger", "solver") for k, share in enumerate([1.0, 0.75, 0.5], 1)])
+    fig = learning_signals_figure(metrics)
+    assert fig.layout.title.text == "Learning signals per GRPO step"
+    assert [a.text for a in fig.layout.annotations][:3] == ["share of zero-spread groups",
+                                                           "sampling entropy (nats/token)", "mean reward"]
+    assert len(fig.data) == 6 and {t.name for t in fig.data} == {"challenger", "solver"}
+    assert list(fig.data[1].y) == [1.0, 0.75, 0.5] and fig.layout.xaxis3.dtick == 1       # integer step axis
+    assert fig.layout.xaxis3.title.text == "step (all iterations)"
+    assert learning_signals_figure(metrics.drop(columns=["entropy"])).layout.annotations[1].text == "mean reward"
+    assert learning_signals_figure(pd.DataFrame()) is None

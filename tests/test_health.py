@@ -48,3 +48,25 @@ def test_empty_pool_alarm(tmp_path):
     assert [a["alarm"] for a in alarms] == ["empty_pool"] and "20 candidates" in alarms[0]["message"]
     (tmp_path / "health.jsonl").write_text('{"alarm": "x"}\n{"alarm": "torn')
     assert [a["alarm"] for a in health.read_alarms(tmp_path)] == ["x"]     # a torn last line is skipped
+
+
+def steps(*shares):
+    return [{**HEALTHY, "step": k, "zero_spread_share": s} for k, s in enumerate(shares, 1)]
+
+
+def test_mostly_zero_spread_fires_once_several_steps_running(tmp_path):
+    fired = [health.check_steps(steps(*[0.75, 1.0, 0.5, 0.9, 0.6][:k])) for k in range(1, 6)]
+    assert [len(a) for a in fired] == [0, 0, 1, 0, 0]          # on the third step running, once per stretch
+    alarm = fired[2][0]
+    assert alarm["alarm"] == "mostly_zero_spread" and alarm["step"] == 3 and alarm["value"] == 3
+    assert "0.75, 1.00, 0.50" in alarm["message"]
+    assert health.report(alarm, tmp_path) and not health.report(alarm, tmp_path)   # one record per step
+    assert health.check_steps(steps(0.9, 0.9, 0.2, 0.9, 0.9, 0.9))[0]["step"] == 6   # a healthy step resets it
+
+
+def test_mostly_zero_spread_stays_quiet_on_a_healthy_run_and_a_single_bad_step():
+    assert health.check_steps(steps(0.25, 0.0, 0.4, 0.3, 0.1)) == []
+    assert all(health.check_steps(steps(0.2, 1.0, 0.3, 0.1)[:k]) == [] for k in range(1, 5))
+    assert health.check_steps(steps(0.49, 0.49, 0.49)) == []                  # "most" is at least half
+    assert health.check_steps(steps(0.9, 0.9, None)) == []                    # a step without the number ends it
+    assert health.check_step({**HEALTHY, "zero_spread_share": 0.9}) == []     # per step only at 100%

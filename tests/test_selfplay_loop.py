@@ -140,6 +140,28 @@ def test_the_pool_is_deterministic_by_seed(tmp_path, wiki_sample, tiny_model_dir
     assert {c["evaluation"]["document_id"] for c in other} != {c["evaluation"]["document_id"] for c in first}
 
 
+def test_the_pool_stops_before_the_learning_checks_held_out_documents(tmp_path, wiki_sample, tiny_model_dir,
+                                                                     retriever):
+    """With `learning_check.held_out_documents` the task pool runs out of documents where the reserved tail
+    begins: no candidate is written on a held-out document, however many tasks it still wants."""
+    from scope_lib.retrieval.corpus import held_out_range
+    from scope_lib.runs import Stage, iteration_dir
+
+    params = fast_params(tmp_path, wiki_sample.parent, **{"learning_check.held_out_documents": 990,
+                                                          "selfplay.target_tasks": 50,
+                                                          "selfplay.max_candidate_batches": None})
+    r = open_run(params, **components(params, tiny_model_dir, retriever))
+    assert r.training_documents == 10
+    Stage(iteration_dir(params.run_dir, 1) / "challenger").mark_done({"documents": [0, 6]})  # Stage 1 used 0..5
+    summary = build_pool(r, 1)
+    assert summary["stopped"] == "documents ran out" and summary["documents"] == [6, 10]
+    held_out = {p.id for p in held_out_range(r.passages, 990, params.selfplay.seed)}
+    written = {c["evaluation"]["document_id"] for c in records(params.run_dir, 1, "pool", "candidates")}
+    assert len(written) == 4 and not written & held_out
+    manifest = (params.run_dir / "manifest.json").read_text()
+    assert '"reward_control": "none"' in manifest and '"documents": 990' in manifest
+
+
 def test_without_co_evolution_the_challenger_stays_at_iteration_1(tmp_path, wiki_sample, tiny_model_dir, retriever):
     """§5's ablation: C_1 frozen; the Solver keeps training on fresh tasks from it."""
     params = fast_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 2, "selfplay.co_evolution": False})

@@ -27,6 +27,7 @@ from scope_lib.selfplay.training import (
     grpo_args,
     install_logprob_fallback,
     make_trainer,
+    permute_rewards,
 )
 
 
@@ -219,6 +220,47 @@ def test_qwen3_trains_on_per_turn_datums(params, retriever, passages, tiny_model
         assert completion == text                                           # the turn, thinking kept, whole
     assert any(len(t) > 1 and "<think>" in t[0] for t in (inp["trajectory"]["turns"] for inp in inputs))
     assert len(session.metrics) == 1
+
+
+def test_permute_rewards_keeps_the_rewards_and_drops_the_assignment():
+    values = [0.9, None, 0.1, 0.5, 0.0, 0.7, None, 0.3]
+    shuffled = permute_rewards(values, seed=11)
+    assert shuffled == permute_rewards(values, seed=11)                       # deterministic by seed
+    assert sorted(v for v in shuffled if v is not None) == sorted(v for v in values if v is not None)
+    assert [i for i, v in enumerate(shuffled) if v is None] == [1, 6]          # rows that never ran stay unscored
+    assert shuffled != values                                                 # another assignment
+    orders = {tuple(permute_rewards(values, seed=s)) for s in range(20)}
+    assert len(orders) > 10                                                   # the seed decides the order
+
+
+def scored_step(params, policy, retriever, passages, tmp_path, control: str):
+    """One Stage-1 reward call on real rollouts of the scripted engine, under `grpo.reward_control: control`:
+    (the values handed to TRL, the step's records)."""
+    from types import SimpleNamespace
+
+    policy.params = params.model_copy(update={"grpo": params.grpo.model_copy(update={"reward_control": control})})
+    ctx, items = challenger_stage(policy, retriever, passages, tmp_path / control)
+    session = RoleSession(ctx, items)
+    state = SimpleNamespace(global_step=0)
+    prompts = [i for i in items for _ in range(params.grpo.group_size)]      # TRL repeats each prompt G times
+    rows = session.rollout_func(prompts, SimpleNamespace(state=state))
+    values = session.scope_reward(prompts, None, None, rows["trajectory"], trainer_state=state)
+    return values, list(session.records)
+
+
+def test_the_shuffled_control_permutes_each_batch_and_the_default_trains_on_the_rewards(
+        params, retriever, passages, tiny_model_dir, tmp_path):
+    policy = load_policy(params, tiny_model_dir)
+    given, records = scored_step(params, policy, retriever, passages, tmp_path, "none")
+    earned = [r["reward"] for r in records]
+    assert given == earned and len(set(earned)) > 1                           # default: untouched (eq. 4)
+    assert all("trained_reward" not in r for r in records)
+    shuffled, control_records = scored_step(params, policy, retriever, passages, tmp_path, "shuffled")
+    assert [r["reward"] for r in control_records] == earned                   # the rollouts earned the same ...
+    assert sorted(shuffled) == sorted(earned) and shuffled != earned          # ... the trainer got them permuted
+    assert [r["trained_reward"] for r in control_records] == shuffled
+    again, _ = scored_step(params, policy, retriever, passages, tmp_path / "again", "shuffled")
+    assert again == shuffled                                                  # seeded
 
 
 def test_grpo_settings_follow_table_9(params, tmp_path):

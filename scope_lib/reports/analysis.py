@@ -322,3 +322,81 @@ def write_solver_reward_figure(run_dir, path):
         raise ValueError(f"{run_dir} has no Solver training step with rewards: train it first "
                          "(`make demo` runs notebook 04)")
     return save_figure(figure, path, width=760, height=400)
+
+
+# -- notebook 04: learning signals per step and the learning check --------------------------------------------
+
+#: The learning signals notebook 04's health panel draws per step (metrics.jsonl columns), with their axis titles.
+LEARNING_SIGNALS = {"zero_spread_share": "share of zero-spread groups", "entropy": "sampling entropy (nats/token)",
+                    "reward": "mean reward"}
+
+
+def learning_signals_figure(metrics) -> Any:
+    """Notebook 04's "Learning signals per GRPO step": per role, the share of groups whose rollouts all scored
+    alike (TRL's frac_reward_zero_std: their advantages are 0), the policy's sampling entropy (TRL's entropy) and
+    the mean reward, one panel each, with the `mostly_zero_spread` alarm's share drawn; None without steps."""
+    from plotly.subplots import make_subplots
+
+    from scope_lib.selfplay.health import ZERO_SPREAD_MOST, ZERO_SPREAD_STEPS
+
+    present = [c for c in LEARNING_SIGNALS if len(metrics) and c in metrics and metrics[c].notna().any()]
+    if not present:
+        return None
+    fig = make_subplots(rows=len(present), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=[LEARNING_SIGNALS[c] for c in present])
+    colours = {"challenger": "#d62728", "solver": "#1f77b4"}
+    for row, column in enumerate(present, 1):
+        for role, steps in metrics.groupby("role"):
+            fig.add_scatter(x=steps["global_step"], y=steps[column], mode="lines+markers", name=role,
+                            legendgroup=role, showlegend=row == 1, line={"color": colours.get(role)}, row=row, col=1)
+        fig.update_yaxes(title_text=column, row=row, col=1)
+        if column == "zero_spread_share":
+            fig.update_yaxes(range=[-0.05, 1.05], row=row, col=1)
+            fig.add_hline(y=ZERO_SPREAD_MOST, line_dash="dot", row=row, col=1,
+                          annotation_text=f"alarm: at or above for {ZERO_SPREAD_STEPS} steps running")
+    fig.update_xaxes(title_text="step (all iterations)", dtick=1, row=len(present), col=1)
+    fig.update_layout(title="Learning signals per GRPO step", height=240 * len(present) + 80)
+    return fig
+
+
+def learning_check_table(check) -> Any:
+    """One row per checkpoint of a learning check (`evaluation.learning_check.LearningCheck.table`)."""
+    import pandas as pd
+
+    return pd.DataFrame(check.table())
+
+
+def learning_check_figure(check) -> Any:
+    """Notebook 04's learning check: left, each held-out task's value before and after (sorted by before, joined
+    by a line); right, the mean paired gain with its bootstrap 95% interval, beside the shuffled-reward
+    control's when there is one."""
+    from plotly.subplots import make_subplots
+
+    trained, control = check.trained, check.control
+    label = "mean rubric score ḡ" if trained.metric == "score" else "success rate"
+    order = sorted(range(trained.n_tasks), key=lambda i: (trained.values_before[i], trained.values_after[i]))
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.75, 0.25], horizontal_spacing=0.1,
+                        subplot_titles=[f"per held-out task ({trained.n_tasks})", "gain with its 95% interval"])
+    xs = list(range(1, trained.n_tasks + 1))
+    for x, i in zip(xs, order, strict=True):
+        fig.add_scatter(x=[x, x], y=[trained.values_before[i], trained.values_after[i]], mode="lines",
+                        line={"color": "lightgray"}, showlegend=False, hoverinfo="skip", row=1, col=1)
+    for name, values, colour in ((f"before: {trained.before}", trained.values_before, "gray"),
+                                 (f"after: {trained.after}", trained.values_after, "#1f77b4")):
+        fig.add_scatter(x=xs, y=[values[i] for i in order], mode="markers", name=name, marker={"color": colour},
+                        text=[trained.task_ids[i] for i in order], row=1, col=1)
+    bars = [("trained", trained, "#1f77b4")] + ([("control", control, "#ff7f0e")] if control is not None else [])
+    for name, comparison, colour in bars:
+        lo, hi = comparison.ci95
+        fig.add_bar(x=[name], y=[comparison.gain], marker_color=colour, showlegend=False,
+                    error_y={"type": "data", "symmetric": False, "array": [hi - comparison.gain],
+                             "arrayminus": [comparison.gain - lo]}, row=1, col=2)
+    fig.add_hline(y=0, line_color="black", line_width=1, row=1, col=2)
+    fig.update_xaxes(title_text="held-out task (sorted by its value before)", dtick=1, row=1, col=1)
+    fig.update_yaxes(title_text=label, range=[-0.05, 1.05], row=1, col=1)
+    fig.update_yaxes(title_text=f"gain in {label} (after − before)", row=1, col=2)
+    verdict = "learned" if check.verdict.learned else "not learned"
+    fig.update_layout(title=f"Learning check: {trained.after} vs {trained.before} on held-out tasks "
+                            f"(gain {trained.gain:+.3f}, 95% CI [{trained.ci95[0]:+.3f}, {trained.ci95[1]:+.3f}]; "
+                            f"{verdict})", height=420)
+    return fig

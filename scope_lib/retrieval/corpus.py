@@ -325,20 +325,35 @@ def _permutation(n_total: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n_total)
 
 
-def document_range(passages: Sequence[Passage], start: int, n: int, seed: int) -> list[Passage]:
+def document_range(passages: Sequence[Passage], start: int, n: int, seed: int, *,
+                   limit: int | None = None) -> list[Passage]:
     """Documents at positions start..start+n-1 of the run's one seeded permutation of the corpus.
 
     Self-play hands out consecutive ranges (Stage 1 prompts, then Stage 2 candidate batches, iteration after
-    iteration), so no document is used twice until the corpus runs out; then the ranges wrap (logged)."""
+    iteration), so no document is used twice until the corpus runs out; then the ranges wrap (logged). `limit`
+    (default: the whole corpus) is where they wrap: positions from `limit` on are never handed out, which is how
+    the learning check's held-out tail stays out of training (`held_out_range`)."""
     if start < 0 or n < 0:
         raise ValueError(f"start and n must be >= 0, got start={start}, n={n}")
     if not passages:
         raise ValueError("cannot sample from an empty corpus")
     order = _permutation(len(passages), seed)
-    if start + n > len(order):
-        log.warning("corpus has %d documents but positions %d..%d were asked for: wrapping around, documents "
-                    "repeat", len(order), start, start + n - 1)
-    return [passages[int(order[(start + j) % len(order)])] for j in range(n)]
+    size = len(order) if limit is None else limit
+    if not 0 < size <= len(order):
+        raise ValueError(f"limit must be in 1..{len(order)} (the corpus's documents), got {limit}")
+    if start + n > size:
+        log.warning("%d documents can be sampled but positions %d..%d were asked for: wrapping around, documents "
+                    "repeat", size, start, start + n - 1)
+    return [passages[int(order[(start + j) % size])] for j in range(n)]
+
+
+def held_out_range(passages: Sequence[Passage], n: int, seed: int) -> list[Passage]:
+    """The last n documents of the run's seeded permutation (positions len - n .. len - 1): the learning check's
+    held-out documents. Training hands out `document_range(..., limit=len - n)`, which never reaches them."""
+    if not 0 <= n < len(passages):
+        raise ValueError(f"cannot hold out {n} of {len(passages)} documents: leave some for training")
+    order = _permutation(len(passages), seed)
+    return [passages[int(i)] for i in order[len(order) - n:]]
 
 
 def sample_documents(passages: Sequence[Passage], n: int, seed: int, iteration: int, *,

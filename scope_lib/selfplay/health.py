@@ -7,6 +7,7 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 |-----------------------|------------------------------------------------------------------------------|
 | empty_retrieval       | at least 10% of a step's searches came back with no passage                  |
 | zero_spread           | every GRPO group of a step has the same reward for all members (no signal)   |
+| mostly_zero_spread    | at least half the groups had zero spread for 3 steps running (little signal) |
 | truncated             | at least 90% of a step's rollouts ran out of tokens                          |
 | no_searches           | a step's rollouts made no search at all                                      |
 | judge_parse_failures  | more than 20% of a step's Judge replies never parsed                         |
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 EMPTY_RETRIEVAL_SHARE = 0.10
 TRUNCATED_SHARE = 0.90
 JUDGE_FAILURE_SHARE = 0.20
+#: mostly_zero_spread: the share of zero-spread groups that counts as "most" ...
+ZERO_SPREAD_MOST = 0.5
+#: ... and how many steps running it must hold (TRL's `frac_reward_zero_std`, our `zero_spread_share`).
+ZERO_SPREAD_STEPS = 3
 
 
 def _alarm(name: str, metrics: dict[str, Any], value: Any, threshold: Any, message: str) -> dict[str, Any]:
@@ -65,6 +70,25 @@ def check_step(m: dict[str, Any]) -> list[dict[str, Any]]:
     if m.get("rollouts") and m.get("reward") is None:
         alarms.append(_alarm("no_reward", m, None, None, "no row of the step could be scored"))
     return alarms
+
+
+def check_steps(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Alarms over a stage's steps so far, in step order, the newest last: `mostly_zero_spread` fires on the step
+    where at least ZERO_SPREAD_MOST of the groups have had zero reward spread for ZERO_SPREAD_STEPS steps running
+    (once per such stretch; a step without the number ends a stretch)."""
+    run = 0
+    for m in history:
+        share = m.get("zero_spread_share")
+        run = run + 1 if share is not None and share >= ZERO_SPREAD_MOST else 0
+    if run != ZERO_SPREAD_STEPS:
+        return []
+    last = history[-ZERO_SPREAD_STEPS:]
+    shares = ", ".join(f"{m['zero_spread_share']:.2f}" for m in last)
+    return [_alarm("mostly_zero_spread", history[-1], run, ZERO_SPREAD_STEPS,
+                   f"at least {ZERO_SPREAD_MOST:.0%} of the groups had identical rewards for {run} steps running "
+                   f"(shares {shares}): most advantages are 0 and the role learns from few rollouts; raise G or the "
+                   "temperature, or keep tasks nearer the difficulty window (docs/training.md, 'Learning "
+                   "signals')")]
 
 
 def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:

@@ -78,6 +78,21 @@ class SelfPlayRun:
     def stage(self, iteration: int, name: str):
         return Stage(iteration_dir(self.run_dir, iteration) / name)
 
+    @property
+    def training_documents(self) -> int:
+        """How many positions of the document permutation training may sample (`training_documents`)."""
+        return training_documents(self.params, len(self.passages))
+
+
+def training_documents(params: Params, n_passages: int) -> int:
+    """Positions 0..n-1 of the run's document permutation are training's; the last
+    `learning_check.held_out_documents` are the learning check's and never handed out (held_out_range)."""
+    reserved = params.learning_check.held_out_documents
+    if reserved >= n_passages:
+        raise ParamsError(f"learning_check.held_out_documents ({reserved}) must be below the corpus's {n_passages} "
+                          "passages: lower it, or use a larger corpus")
+    return n_passages - reserved
+
 
 def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | None = None,
              retriever: Retriever | None = None, policy=None) -> SelfPlayRun:
@@ -143,7 +158,9 @@ def _on_cpu(params: Params) -> bool:
 def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None,
                     calibration: Calibration | None = None) -> None:
     write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), model=params.model.base,
-                   finetuning=params.model.finetuning,
+                   finetuning=params.model.finetuning, reward_control=params.grpo.reward_control,
+                   held_out={"documents": params.learning_check.held_out_documents,
+                             "permutation_seed": params.selfplay.seed},
                    seeds={"selfplay": params.selfplay.seed, "grpo": params.grpo.seed},
                    judge_models=judge_models(params), index=fingerprint,
                    judge_calibration=calibration.to_record() if calibration is not None else None,
@@ -154,14 +171,21 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
 
 def science_yaml(params: Params) -> str:
     """The parameters that decide training results: everything but `run` (names and folders, so a run folder
-    can be moved and still resume), `evaluation` (how checkpoints are measured afterwards), `model.loader`
-    (transformers and Unsloth load the same M0 and the same adapters: a run resumes with either) and
-    `judge.calibration` (a probe of the grader when the run opens: it changes no grade)."""
+    can be moved and still resume), `evaluation` and `learning_check` (how checkpoints are measured afterwards;
+    but the documents the check holds out from training count), `model.loader` (transformers and Unsloth load the
+    same M0 and the same adapters: a run resumes with either) and `judge.calibration` (a probe of the grader when
+    the run opens: it changes no grade). Options added after runs existed are left out at their default
+    (`grpo.reward_control: none`, no held-out documents), so those runs still resume."""
     import yaml
 
-    science = {k: v for k, v in params.model_dump(mode="json").items() if k not in ("run", "evaluation")}
+    science = {k: v for k, v in params.model_dump(mode="json").items()
+               if k not in ("run", "evaluation", "learning_check")}
     science["model"].pop("loader")
     science["judge"].pop("calibration")
+    if science["grpo"]["reward_control"] == "none":
+        science["grpo"].pop("reward_control")
+    if params.learning_check.held_out_documents:
+        science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)
 
 
@@ -253,7 +277,7 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
     _reset(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # S_{t-1} estimates the difficulty (the Challenger syncs itself)
     seed = stage_seed(r.params, t, "challenger")
-    documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed)
+    documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed, limit=r.training_documents)
     prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed,
                                       tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
                                       id_prefix=f"i{t:02d}-c")
@@ -305,7 +329,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
     first = r.stage(t, "challenger").summary["documents"][1]  # right after Stage 1's documents
     publish_roles(r, t, "pool", ("challenger", "solver"))    # C_t writes, S_{t-1} estimates the difficulty
     seed, size = stage_seed(p, t, "pool"), sp.candidate_batch_size
-    available = max(0, (len(r.passages) - first) // size)  # whole batches of unused documents
+    available = max(0, (r.training_documents - first) // size)  # whole batches of unused, not held-out documents
     limit = min(available, sp.max_candidate_batches) if sp.max_candidate_batches else available
     holes = sorted(set(range(max(finished, default=-1))) - finished)  # batches a damaged record took back
     k = max(finished, default=-1) + 1
@@ -315,7 +339,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
         hole = holes.pop(0) if holes else None
         k, resume_k = (hole, k) if hole is not None else (k, None)
         started, judge_before = time.perf_counter(), r.judge.stats.totals()
-        documents = document_range(r.passages, first + k * size, size, sp.seed)
+        documents = document_range(r.passages, first + k * size, size, sp.seed, limit=r.training_documents)
         prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed * 1000 + k,
                                           tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
                                           id_prefix=f"i{t:02d}-p{k:04d}-")

@@ -470,6 +470,10 @@ class RoleSession:
             values, metrics = self._challenger_rewards(trajectories, step)
         else:
             values, metrics = self._solver_rewards(trajectories, step)
+        if self.ctx.params.grpo.reward_control == "shuffled":  # the learning check's control: no information
+            values = permute_rewards(values, control_seed(self.ctx.seed, step, ranks.rank()))
+            for record, given in zip(self.unwritten["rollouts"], values, strict=True):
+                record["trained_reward"] = given  # `reward` stays what the rollout earned (eq. 4 / eq. 6)
         judge_after = self.ctx.judge.stats.totals()
         engine = self.ctx.rollout_engine
         if self.ctx.params.engine.sleep_mode and callable(getattr(engine, "sleep", None)):
@@ -585,6 +589,7 @@ class RoleSession:
         record = {
             "id": f"{ctx.role}-{ctx.iteration:02d}-{step:04d}", "role": ctx.role, "iteration": ctx.iteration,
             "step": step, **{k: v for k, v in ours.items() if not k.endswith("_s")},
+            "reward_control": ctx.params.grpo.reward_control,
             "kl": trl_logs.get("kl"), "entropy": trl_logs.get("entropy"),
             "clip_fraction": trl_logs.get("clip_ratio/region_mean"), "loss": trl_logs.get("loss"),
             "grad_norm": trl_logs.get("grad_norm"), "learning_rate": trl_logs.get("learning_rate"),
@@ -598,13 +603,34 @@ class RoleSession:
             "time_overhead_s": max(0.0, ours.get("rollout_s", 0.0) - generated - ours.get("retrieval_s", 0.0))
             + max(0.0, ours.get("reward_s", 0.0) - ours.get("judge_s", 0.0) - ours.get("solver_rollout_s", 0.0)),
         }
-        for alarm in health.check_step(record):
+        history = [r for r in self.metrics if r.get("step", 0) < step] + [record]
+        for alarm in health.check_step(record) + health.check_steps(history):
             ctx.alarms.append(alarm)
             if ranks.is_main():
                 health.report(alarm, ctx.stage.path.parent.parent)
         if ranks.is_main():
             self.metrics.append([record])
         return record
+
+
+def control_seed(stage_seed: int, step: int, rank: int = 0) -> int:
+    """The seed of one step's reward permutation under `grpo.reward_control: shuffled` (per stage, step, rank)."""
+    return stage_seed * 1000 + step + 100_000 * rank
+
+
+def permute_rewards(values: list[float | None], seed: int) -> list[float | None]:
+    """The shuffled-reward control: the batch's rewards in a seeded uniformly random order over the rows that were
+    scored (a row that never ran keeps None). Same multiset of rewards, so the same reward distribution, but no
+    information about which rollout earned which (the control of "Spurious Rewards", arXiv 2506.10947)."""
+    import random
+
+    scored = [i for i, v in enumerate(values) if v is not None]
+    order = list(scored)
+    random.Random(seed).shuffle(order)
+    out = list(values)
+    for i, j in zip(scored, order, strict=True):
+        out[i] = values[j]
+    return out
 
 
 #: Per-step numbers that add up over ranks; "*_s" times take the slowest rank; the rest are per-rollout means.

@@ -1,0 +1,784 @@
+"""The learning check: is a trained Solver better than M0 on tasks training never saw, by more than a control?
+
+    check = run_check(params, after="iter_03/solver", control="runs/ctl/iter_03/solver")   # or: scope learning-check
+    check.verdict.learned, check.trained.gain, check.trained.ci95, check.verdict.ratio
+
+Not in the paper (issue 32; docs/training.md, "The learning check"). A rising training curve proves nothing on its
+own: rewards that carry no information move metrics too ("Spurious Rewards", arXiv 2506.10947). So:
+
+1. **The held-out task set** (`held_out_set`). The last `learning_check.held_out_documents` documents of the run's
+   document permutation, which training never samples (`loop.training_documents`). M0's Challenger (adapters off:
+   the iteration-0 Challenger) writes one task per document, batch by batch; the frozen Judge gates it and writes
+   its rubrics; K rollouts of M0's Solver at the training sampling, graded by the Judge, give M0's mean rubric
+   score ḡ; tasks with ḡ in the difficulty window widened by `window_margin` are kept, one per document, until
+   `learning_check.tasks`. Built once per (M0, corpus bytes, every parameter that shapes a task or its score) under
+   $SCOPE_CACHE_DIR/heldout/ (or ~/.cache/scope/heldout/), resumed batch by batch like the task pool, reused by
+   every run and checkpoint of that configuration.
+2. **Evaluating a checkpoint** (`evaluate_checkpoint`): K Solver rollouts per held-out task at the training sampling
+   (one engine call per turn for every rollout of a batch), graded by the frozen Judge at the training grading
+   temperature. Per task: the mean rubric score (the task success ḡ, eq. 1 averaged over the K rollouts) and the
+   success rate (the share of rollouts with g >= `success_threshold`). Every checkpoint uses the same seeds (paired
+   samples), never the pre-screen's; results are stored per (checkpoint weights, seed) beside the set.
+3. **Comparing** (`compare_evaluations`, `learning_verdict`): per-task differences after − before, their mean (the
+   gain) and a 95% percentile interval from resampling the tasks with replacement (seeded). A run *learned* only
+   when the interval's lower bound is above 0 AND its gain is above the shuffled-reward control's
+   (`grpo.reward_control: shuffled`: the same steps on permuted rewards); gain / control gain is reported (the
+   issue's target: at least 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from scope_lib.config import Params, ParamsError, cache_dir, load_params
+from scope_lib.evaluation.evaluate import Checkpoint, Policy, base_engine, open_policies, resolve_checkpoint
+from scope_lib.models.engine import Engine
+from scope_lib.models.loading import make_engine, model_source
+from scope_lib.protocol import prompts
+from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
+from scope_lib.retrieval.corpus import held_out_range, read_corpus
+from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
+from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_json
+from scope_lib.selfplay.judge import Judge, make_judge
+from scope_lib.selfplay.loop import finished_chunks, training_documents
+from scope_lib.selfplay.rollout import (
+    challenger_trajectories,
+    make_challenger_prompts,
+    new_trajectory,
+    run_rollouts,
+    solver_messages,
+)
+from scope_lib.selfplay.tasks import (
+    TaskEvaluation,
+    challenger_limits,
+    evaluate_tasks,
+    filter_tasks,
+    grade_rollouts,
+    solver_limits,
+)
+
+log = logging.getLogger(__name__)
+
+#: Bump when what a held-out task is changes in code (not in params or prompts): every cached set is rebuilt.
+HELD_OUT_VERSION = 1
+#: The issue's bar for a trained run's gain over the shuffled-reward control's.
+TARGET_RATIO = 2.0
+METRICS = ("score", "success")
+
+
+def _seed(*parts: Any) -> int:
+    """A stable 31-bit seed from named parts (the same in every process and Python version)."""
+    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+# -- the held-out task set ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeldOutSet:
+    """The frozen held-out tasks (gated, with rubrics, M0's pre-screen in `solver_scores` / `mean_score`) and the
+    folder they live in."""
+
+    path: Path
+    key: str
+    tasks: list[TaskEvaluation]
+    summary: dict[str, Any]
+
+    @property
+    def window(self) -> tuple[float, float]:
+        lo, hi = self.summary["window"]
+        return lo, hi
+
+
+def screen_window(params: Params) -> tuple[float, float]:
+    """The pre-screen's window: selfplay.difficulty_window widened by `learning_check.window_margin` on each side,
+    clipped to [0, 1]."""
+    lo, hi = params.selfplay.difficulty_window
+    margin = params.learning_check.window_margin
+    return max(0.0, round(lo - margin, 6)), min(1.0, round(hi + margin, 6))
+
+
+def prompts_fingerprint() -> str:
+    """A hash of the text protocol a held-out task is written, gated, graded and answered in: the prompt templates,
+    task types and dialects."""
+    digest = hashlib.sha256()
+    for name in prompts.TEMPLATE_NAMES:
+        digest.update(name.encode() + b"\0" + prompts.load_template(name).template.encode() + b"\0")
+    for spec in prompts.TASK_TYPES.values():
+        digest.update(f"{spec.key}|{spec.name}|{spec.description}".encode())
+    for d in DIALECTS.values():
+        digest.update(f"{d.name}|{d.search_example}|{d.results_description}|{d.results_role}".encode())
+    return digest.hexdigest()
+
+
+def model_identity(params: Params) -> str:
+    """M0 as the cache key sees it: its name, and for a local folder (the tiny, warm-started and `pypi:` models
+    live in folders named by their own cache keys) the folder's name, its config.json and its weight files' sizes.
+    Call `smoke.warm_start.prepare(params)` first for a warm-started M0 (the `scope` commands and notebooks do)."""
+    source = Path(model_source(params))
+    if not source.is_dir():
+        return params.model.base
+    digest = hashlib.sha256()
+    if (source / "config.json").is_file():
+        digest.update((source / "config.json").read_bytes())
+    for weights in sorted(source.glob("*.safetensors")) + sorted(source.glob("*.bin")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return f"{params.model.base}|{source.name}|{digest.hexdigest()[:16]}"
+
+
+_RETRIEVAL_OPERATIONAL = {"corpus_url", "corpus_sha256", "fetch_max_passages", "index_dir", "memory_budget_gb",
+                          "chroma_mode", "chroma_host", "chroma_port", "server_url", "timeout_s", "embed_batch_size",
+                          "add_batch_size", "embedding_cache", "shard_passages", "embedder_device", "faiss_gpu"}
+
+
+def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> dict[str, Any]:
+    """Everything a held-out task and M0's pre-screen depend on: M0, the corpus bytes and slice, the document
+    permutation, the reserved documents, K, the batch size, the window, the Challenger's and Solver's prompts,
+    sampling and budgets, the Judge, retrieval and the generation back end (vLLM and transformers sample
+    differently). Not `learning_check.tasks`: asking for more tasks extends the same set."""
+    p, lc = params, params.learning_check
+    return {
+        "version": HELD_OUT_VERSION, "model": model_id, "dialect": p.model.dialect, "dtype": p.model.dtype,
+        "max_model_len": p.model.max_model_len, "engine": p.engine.backend,
+        "corpus": {"sha256": corpus_sha256, "max_passages": p.retrieval.max_passages,
+                   "on_error": p.retrieval.on_error},
+        "permutation_seed": p.selfplay.seed, "window": list(screen_window(p)),
+        "learning_check": lc.model_dump(mode="json", include={"held_out_documents", "samples", "batch_size"}),
+        "selfplay": p.selfplay.model_dump(mode="json", include={"task_types", "search_turn_strata",
+                                                                "document_max_tokens", "rollout_prompt_tokens"}),
+        "challenger": p.challenger.model_dump(mode="json", include={"max_prompt_tokens", "max_turns",
+                                                                    "max_new_tokens_per_turn", "max_response_tokens",
+                                                                    "temperature", "top_p"}),
+        "solver": p.solver.model_dump(mode="json", include={"max_prompt_tokens", "max_searches", "max_turns",
+                                                            "prompt", "max_new_tokens_per_turn",
+                                                            "max_response_tokens", "temperature", "top_p"}),
+        "judge": p.judge.model_dump(mode="json"),
+        "retrieval": p.retrieval.model_dump(mode="json", exclude=_RETRIEVAL_OPERATIONAL),
+        "prompts": prompts_fingerprint(),
+    }
+
+
+def held_out_folder(params: Params, model_id: str, corpus_sha256: str, root: str | Path | None = None
+                    ) -> tuple[Path, str, dict[str, Any]]:
+    """(folder, key, fingerprint) of the held-out set these params ask for: <root>/<model>-<key>, root defaulting to
+    the cache folder `heldout` ($SCOPE_CACHE_DIR/heldout, else ~/.cache/scope/heldout)."""
+    fingerprint = held_out_fingerprint(params, model_id, corpus_sha256)
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", params.model.base).strip("-.")[-40:] or "model"
+    base = Path(root) if root is not None else cache_dir("heldout")
+    return base / f"{slug}-{key}", key, fingerprint
+
+
+@dataclass
+class CheckComponents:
+    """What the check runs on: M0's engine (adapters off: the pre-screen's Challenger and Solver; adapters on it
+    serve checkpoints), the frozen Judge, the retriever, the dialect, and the corpus (read when a build needs it)."""
+
+    engine: Engine
+    judge: Judge
+    retriever: Any
+    dialect: Dialect
+    passages: list | None = None
+
+
+def open_components(params: Params, *, engine: Engine | None = None, judge: Judge | None = None, retriever=None,
+                    passages: list | None = None, dialect: Dialect | None = None) -> CheckComponents:
+    """The check's components from the params, each one given being used as it is. The Judge is M0 on `engine`
+    (another model only where `judge.model` names one), as in training."""
+    engine = engine or make_engine(params, "policy")
+    if judge is None:
+        others: dict[str, Engine] = {}
+
+        def engine_for(name: str) -> Engine:
+            if name == params.model.base:
+                return engine
+            if name not in others:
+                others[name] = make_engine(params, "judge", name=name)
+            return others[name]
+
+        judge = make_judge(params, engine_for)
+    return CheckComponents(engine, judge, retriever or open_retriever(params, progress=False),
+                           dialect or get_dialect(params.model.dialect, params.model.base), passages)
+
+
+def _corpus_sha256(params: Params, root: Path) -> str:
+    corpus = Path(params.corpus_path)
+    if not corpus.is_file():
+        raise ParamsError(f"corpus {corpus} not found: run `scope data fetch --params PARAMS`, or point "
+                          "retrieval.corpus (or $SCOPE_DATA_DIR) at the corpus the run trained on")
+    slot = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
+    return cached_corpus_sha256(corpus, root / ".corpus" / slot)
+
+
+def _check_reserved(params: Params) -> None:
+    if params.learning_check.held_out_documents == 0:
+        raise ParamsError("learning_check.held_out_documents is 0: no documents are held out from training, so "
+                          "there are none to check on. Set it (e.g. -o learning_check.held_out_documents=200) and "
+                          "train the runs you compare with the same value")
+
+
+def held_out_set(params: Params, components: CheckComponents | Any = None, *, model_id: str | None = None,
+                 root: str | Path | None = None, progress: bool = True) -> HeldOutSet:
+    """The held-out task set of these params, built on first use (module docstring, 1) and read back after.
+    `components` (or a function returning them, called only when something must be built) default to
+    `open_components(params)`; `model_id` to `model_identity(params)`; `root` to the `heldout` cache folder. A
+    build killed mid-way resumes batch by batch; a set built for fewer tasks is extended with more batches; two
+    processes building the same set wait for each other."""
+    from filelock import FileLock
+
+    _check_reserved(params)
+    base = Path(root) if root is not None else cache_dir("heldout")
+    folder, key, fingerprint = held_out_folder(params, model_id or model_identity(params),
+                                               _corpus_sha256(params, base), base)
+    stage = Stage(folder)
+
+    def short() -> bool:  # built, but for fewer tasks than asked while reserved documents remain
+        summary = stage.summary
+        return summary.get("stopped") == "target" and summary["tasks"] < params.learning_check.tasks
+
+    if not stage.done or short():
+        with FileLock(str(folder / ".lock")):
+            if stage.done and short():
+                (folder / "DONE").unlink()
+            if not stage.done:
+                atomic_write_json(folder / "fingerprint.json", fingerprint)
+                if components is None:
+                    components = open_components(params)
+                elif callable(components):
+                    components = components()
+                stage.mark_done(_build(params, stage, components, key, progress))
+    return load_held_out(folder, params)
+
+
+def load_held_out(folder: str | Path, params: Params) -> HeldOutSet:
+    """A finished held-out set read back from its folder: the first `learning_check.tasks` of its tasks (in batch
+    order; `summary["built"]` says how many there are)."""
+    stage = Stage(folder)
+    summary = stage.summary
+    if not summary:
+        raise RunError(f"{folder} holds no finished held-out set (no DONE): build it with `scope learning-check "
+                       "build PARAMS`")
+    tasks = [TaskEvaluation.from_record(rec) for rec in stage.records("tasks")][:params.learning_check.tasks]
+    return HeldOutSet(Path(folder), summary["key"], tasks, {**summary, "built": summary["tasks"], "tasks": len(tasks)})
+
+
+def success_rate(scores: list[float], threshold: float) -> float:
+    """The share of rollouts whose rubric score g (eq. 1) reaches `threshold` (0 for no rollout)."""
+    return sum(g >= threshold for g in scores) / len(scores) if scores else 0.0
+
+
+def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress: bool) -> dict[str, Any]:
+    """Write the held-out set's records into `stage` (resuming what a killed build left) and return its summary."""
+    from collections import Counter
+
+    from tqdm.auto import tqdm
+
+    lc, sp = params.learning_check, params.selfplay
+    passages = c.passages
+    if passages is None:
+        r = params.retrieval
+        passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+    training_documents(params, len(passages))  # refuses a reservation as large as the corpus
+    candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
+    finished = finished_chunks(candidates, chunks, tasks)
+    candidates.retain(lambda rec: rec["chunk"] in finished)  # a batch a kill left half-written is redone
+    tasks.retain(lambda rec: rec["chunk"] in finished)
+    kept_per_batch = Counter(rec["chunk"] for rec in tasks)
+    reserved = held_out_range(passages, lc.held_out_documents, sp.seed)
+    n_batches = math.ceil(len(reserved) / lc.batch_size)
+    window = screen_window(params)
+    tokenizer = c.engine.tokenizer
+    bar = tqdm(total=lc.tasks, initial=min(lc.tasks, sum(kept_per_batch.values())), desc="held-out tasks",
+               unit="task", leave=False, disable=not progress)
+    stopped = "documents ran out"
+    for k in range(n_batches):
+        before = sum(n for b, n in kept_per_batch.items() if b < k)
+        if before >= lc.tasks:
+            stopped = "target"
+            break
+        if k in finished:
+            continue
+        documents = reserved[k * lc.batch_size:(k + 1) * lc.batch_size]
+        batch = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, _seed("held-out", sp.seed, k),
+                                        tokenizer=tokenizer, document_max_tokens=sp.document_max_tokens,
+                                        id_prefix=f"h{k:04d}-")
+        trajectories = challenger_trajectories(batch, c.dialect, tokenizer)
+        limits = replace(challenger_limits(params), seed=_seed("held-out/challenger", sp.seed, k))
+        unparseable = c.judge.stats.totals()["unparseable"]
+        written = run_rollouts(trajectories, c.engine, c.retriever, c.dialect, limits, adapter=None)  # M0 writes
+        evals, _graded, screened = evaluate_tasks(
+            trajectories, {q.id: q for q in batch}, params=params, judge=c.judge, solver_engine=c.engine,
+            retriever=c.retriever, dialect=c.dialect, n_solver=lc.samples, solver_adapter=None,
+            grading_temperature=params.judge.grading_temperature, seed=_seed("held-out/screen", sp.seed, k))
+        kept = filter_tasks(evals, window, 1)  # every one: a set asked for more tasks later grows by whole batches
+        kept_ids = {e.challenger_id for e in kept}
+        by_id = {t.id: t for t in trajectories}
+        candidates.append({"id": e.challenger_id, "chunk": k, "kept": e.challenger_id in kept_ids,
+                           "evaluation": e.to_record(), "trajectory": by_id[e.challenger_id].to_record()}
+                          for e in evals)
+        tasks.append({**e.to_record(), "id": e.challenger_id, "chunk": k,
+                      "m0_success_rate": success_rate(e.solver_scores, lc.success_threshold)} for e in kept)
+        chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals), "kept": len(kept),
+                        "with_task": sum(e.task is not None for e in evals),
+                        "passed_gates": sum(e.gates_passed for e in evals),
+                        "engine_calls": written.engine_calls + screened.engine_calls,
+                        "judge_unparseable": c.judge.stats.totals()["unparseable"] - unparseable}])
+        finished.add(k)
+        kept_per_batch[k] = len(kept)
+        bar.update(min(len(kept), max(0, lc.tasks - bar.n)))
+    else:
+        if sum(kept_per_batch.values()) >= lc.tasks:
+            stopped = "target"
+    bar.close()
+    kept_records = list(tasks)
+    markers = list(chunks)
+    scores = [rec["mean_score"] for rec in kept_records]
+    lo, hi = sp.difficulty_window
+    summary = {"key": key, "tasks": len(kept_records), "asked": lc.tasks, "candidates": len(candidates),
+               "batches": len(markers), "documents": sum(m["candidates"] for m in markers),
+               "held_out_documents": lc.held_out_documents, "window": list(window),
+               "difficulty_window": [lo, hi], "in_difficulty_window": sum(lo <= g <= hi for g in scores),
+               "m0_mean_score": sum(scores) / len(scores) if scores else None, "samples": lc.samples,
+               "judge_unparseable": sum(m.get("judge_unparseable", 0) for m in markers), "stopped": stopped}
+    log.info("held-out set %s: %d task(s) of %d candidate(s) on %d reserved document(s), M0's mean rubric score in "
+             "[%.2f, %.2f] (%d inside the difficulty window) -> %s", key, summary["tasks"], summary["candidates"],
+             summary["documents"], window[0], window[1], summary["in_difficulty_window"], stage.path)
+    if len(kept_records) < 2:
+        log.warning("the held-out set has %d task(s): too few to compare checkpoints. M0's tasks fell outside "
+                    "[%.2f, %.2f]; raise learning_check.held_out_documents or window_margin", len(kept_records),
+                    *window)
+    return summary
+
+
+# -- evaluating a checkpoint -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TaskResult:
+    """One held-out task's K rollouts of one checkpoint: their rubric scores g (eq. 1)."""
+
+    task_id: str
+    document_id: str
+    scores: list[float]
+    answered: int = 0   # rollouts that ended with an answer (the rest score 0, F.2)
+
+    @property
+    def mean_score(self) -> float:
+        """The task success ḡ: the mean rubric score over the K rollouts (eq. 1)."""
+        return sum(self.scores) / len(self.scores) if self.scores else 0.0
+
+    def value(self, metric: str, threshold: float) -> float:
+        return self.mean_score if metric == "score" else success_rate(self.scores, threshold)
+
+
+@dataclass
+class CheckpointEvaluation:
+    """A checkpoint's K rollouts on every held-out task, in the set's order."""
+
+    checkpoint: str       # the checkpoint's name
+    spec: str
+    fingerprint: str      # of its weights: a retrained checkpoint is evaluated again
+    seed: int
+    held_out_key: str
+    success_threshold: float
+    results: list[TaskResult] = field(default_factory=list)
+    engine_calls: int = 0  # made by this process (0 when read back from the store)
+
+    def values(self, metric: str = "score") -> dict[str, float]:
+        if metric not in METRICS:
+            raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
+        return {r.task_id: r.value(metric, self.success_threshold) for r in self.results}
+
+    @property
+    def mean_score(self) -> float:
+        return sum(r.mean_score for r in self.results) / len(self.results) if self.results else 0.0
+
+    @property
+    def success_rate(self) -> float:
+        values = self.values("success")
+        return sum(values.values()) / len(values) if values else 0.0
+
+
+def checkpoint_fingerprint(ck: Checkpoint) -> str:
+    """A digest of a checkpoint's weights ('base' for M0): the checksums its stage's DONE recorded when there are
+    any, else the files themselves."""
+    if ck.path is None:
+        return ck.name
+    digest = hashlib.sha256()
+    recorded = Stage(ck.path.parent).summary.get("checksums") if (ck.path.parent / "DONE").is_file() else None
+    if recorded:
+        for name, value in sorted(recorded.items()):
+            digest.update(f"{name}:{value}\n".encode())
+        return digest.hexdigest()
+    for file in sorted(f for f in ck.path.rglob("*") if f.is_file()):
+        digest.update(str(file.relative_to(ck.path)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def evaluation_path(held_out: HeldOutSet, ck: Checkpoint, seed: int) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", ck.name).strip("-.") or "checkpoint"
+    return held_out.path / "evaluations" / f"{slug}-{checkpoint_fingerprint(ck)[:12]}-seed{seed}.jsonl"
+
+
+def _result(rec: dict[str, Any]) -> TaskResult:
+    return TaskResult(rec["id"], rec["document_id"], [float(g) for g in rec["scores"]], rec.get("answered", 0))
+
+
+def stored_evaluation(params: Params, held_out: HeldOutSet, ck: Checkpoint, seed: int | None = None
+                      ) -> CheckpointEvaluation | None:
+    """The checkpoint's evaluation read back from the store when every held-out task has one, else None."""
+    seed = params.learning_check.seed if seed is None else seed
+    path = evaluation_path(held_out, ck, seed)
+    if not path.is_file():
+        return None
+    by_id = {rec["id"]: rec for rec in RecordLog(path)}
+    if any(t.challenger_id not in by_id for t in held_out.tasks):
+        return None
+    return CheckpointEvaluation(ck.name, ck.spec, checkpoint_fingerprint(ck), seed, held_out.key,
+                                params.learning_check.success_threshold,
+                                [_result(by_id[t.challenger_id]) for t in held_out.tasks])
+
+
+def evaluate_checkpoint(params: Params, held_out: HeldOutSet, policy: Policy, components: CheckComponents, *,
+                        seed: int | None = None, progress: bool = True) -> CheckpointEvaluation:
+    """K Solver rollouts of `policy` per held-out task at the training sampling, graded by the frozen Judge at the
+    training grading temperature (module docstring, 2). Batches of `eval_batch_tasks` tasks (one engine call per
+    turn for all their rollouts, one Judge call per batch) are stored as they finish; a killed evaluation resumes,
+    a finished one is read back without any model call."""
+    from tqdm.auto import tqdm
+
+    lc, s = params.learning_check, params.solver
+    seed = lc.seed if seed is None else seed
+    ck = policy.checkpoint
+    if len(held_out.tasks) == 0:
+        raise RunError(f"the held-out set {held_out.path} has no task: raise learning_check.held_out_documents or "
+                       "window_margin (a new set is built for the new values)")
+    store = RecordLog(evaluation_path(held_out, ck, seed))
+    batches = [held_out.tasks[i:i + lc.eval_batch_tasks] for i in range(0, len(held_out.tasks), lc.eval_batch_tasks)]
+    have = store.ids
+    partial = {b for b, batch in enumerate(batches) if 0 < sum(t.challenger_id in have for t in batch) < len(batch)}
+    if partial:  # a batch is one unit: one seed, one engine call per turn; half of one is redone whole
+        store.retain(lambda rec: rec["chunk"] not in partial)
+    tokenizer = policy.engine.tokenizer
+    engine_calls = 0
+    todo = [(b, batch) for b, batch in enumerate(batches) if any(t.challenger_id not in store for t in batch)]
+    for b, batch in tqdm(todo, desc=f"{ck.name} on the held-out set", disable=not (progress and todo), leave=False):
+        trajectories = [new_trajectory(f"{ck.name}/{t.challenger_id}/k{j}", "solver",
+                                       solver_messages(t.task, components.dialect, s.max_searches, s.prompt),
+                                       tokenizer, max_searches=s.max_searches, meta={"challenger_id": t.challenger_id})
+                        for t in batch for j in range(lc.samples)]
+        limits = replace(solver_limits(params), seed=_seed("evaluate", seed, b))  # the same for every checkpoint
+        stats = run_rollouts(trajectories, policy.engine, components.retriever, components.dialect, limits,
+                             adapter=policy.adapter)
+        engine_calls += stats.engine_calls
+        graded = grade_rollouts(trajectories, {t.challenger_id: t for t in batch}, components.judge)
+        by_task: dict[str, list] = {}
+        for g in graded:
+            by_task.setdefault(g.trajectory.meta["challenger_id"], []).append(g)
+        store.append({"id": t.challenger_id, "chunk": b, "document_id": t.document_id,
+                      "scores": [g.rubric_score for g in by_task[t.challenger_id]],
+                      "answered": sum(g.trajectory.answer is not None for g in by_task[t.challenger_id]),
+                      "rollouts": [{"id": g.trajectory.id, "answer": g.trajectory.answer, "verdicts": g.verdicts,
+                                    "rubric_score": g.rubric_score, "finish": g.trajectory.finish,
+                                    "searches": [q.query for q in g.trajectory.searches if q.valid]}
+                                   for g in by_task[t.challenger_id]]} for t in batch)
+    evaluation = stored_evaluation(params, held_out, ck, seed)
+    assert evaluation is not None, "every held-out task was just evaluated"
+    evaluation.engine_calls = engine_calls
+    log.info("%s on %d held-out task(s): mean rubric score %.3f, success rate %.3f (K = %d, seed %d)", ck.name,
+             len(evaluation.results), evaluation.mean_score, evaluation.success_rate, lc.samples, seed)
+    return evaluation
+
+
+# -- comparing two checkpoints and the verdict -------------------------------------------------------------------
+
+
+def paired_bootstrap(differences: list[float], n_samples: int, seed: int) -> tuple[float, float]:
+    """95% percentile interval of the mean of per-task differences, resampling tasks with replacement (seeded)."""
+    import numpy as np
+
+    d = np.asarray(differences, dtype=float)
+    if len(d) < 2:
+        raise ValueError(f"a paired interval needs at least 2 tasks, got {len(d)}: enlarge the held-out set "
+                         "(learning_check.held_out_documents, window_margin)")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(n_samples, len(d)))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@dataclass
+class Comparison:
+    """Two checkpoints on the same held-out tasks: per-task values, the mean paired difference (the gain) and
+    its bootstrap 95% interval."""
+
+    before: str
+    after: str
+    metric: str
+    task_ids: list[str]
+    values_before: list[float]
+    values_after: list[float]
+    ci95: tuple[float, float]
+
+    @property
+    def n_tasks(self) -> int:
+        return len(self.task_ids)
+
+    @property
+    def differences(self) -> list[float]:
+        return [a - b for a, b in zip(self.values_after, self.values_before, strict=True)]
+
+    @property
+    def gain(self) -> float:
+        return sum(self.differences) / len(self.task_ids)
+
+    @property
+    def mean_before(self) -> float:
+        return sum(self.values_before) / len(self.task_ids)
+
+    @property
+    def mean_after(self) -> float:
+        return sum(self.values_after) / len(self.task_ids)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"before": self.before, "after": self.after, "metric": self.metric, "tasks": self.n_tasks,
+                "mean_before": self.mean_before, "mean_after": self.mean_after, "gain": self.gain,
+                "ci95": list(self.ci95),
+                "per_task": [{"task_id": t, "before": b, "after": a}
+                             for t, b, a in zip(self.task_ids, self.values_before, self.values_after, strict=True)]}
+
+
+def compare_evaluations(before: CheckpointEvaluation, after: CheckpointEvaluation, *, metric: str = "score",
+                        n_samples: int = 2000, seed: int = 0) -> Comparison:
+    """The paired comparison of two evaluations of the same held-out set (module docstring, 3)."""
+    if before.held_out_key != after.held_out_key:
+        raise ValueError(f"{before.checkpoint} and {after.checkpoint} were evaluated on different held-out sets "
+                         f"({before.held_out_key} vs {after.held_out_key}): evaluate both with the same params")
+    a, b = after.values(metric), before.values(metric)
+    if set(a) != set(b):
+        raise ValueError(f"{before.checkpoint} and {after.checkpoint} cover different tasks ({len(b)} vs {len(a)})")
+    ids = [r.task_id for r in before.results]
+    values_before, values_after = [b[t] for t in ids], [a[t] for t in ids]
+    differences = [x - y for x, y in zip(values_after, values_before, strict=True)]
+    return Comparison(before.checkpoint, after.checkpoint, metric, ids, values_before, values_after,
+                      paired_bootstrap(differences, n_samples, seed))
+
+
+@dataclass
+class Verdict:
+    """Whether a run learned: the trained gain's interval above 0 and the gain above the control's."""
+
+    learned: bool
+    reason: str
+    gain: float
+    ci95: tuple[float, float]
+    control_gain: float | None = None
+    control_ci95: tuple[float, float] | None = None
+    ratio: float | None = None  # gain / control gain (inf when the control did not gain; None without a control)
+
+    @property
+    def meets_target(self) -> bool:
+        """Learned, with a gain at least TARGET_RATIO times the control's (the issue's bar)."""
+        return self.learned and self.ratio is not None and self.ratio >= TARGET_RATIO
+
+    def to_record(self) -> dict[str, Any]:
+        ratio = self.ratio if self.ratio is None or math.isfinite(self.ratio) else "inf"
+        return {"learned": self.learned, "meets_target": self.meets_target, "target_ratio": TARGET_RATIO,
+                "reason": self.reason, "gain": self.gain, "ci95": list(self.ci95), "control_gain": self.control_gain,
+                "control_ci95": list(self.control_ci95) if self.control_ci95 else None, "ratio": ratio}
+
+
+def learning_verdict(trained: Comparison, control: Comparison | None = None) -> Verdict:
+    """The verdict rule: learned only when the trained comparison's 95% lower bound is above 0 AND its gain is
+    above the shuffled-reward control's gain (over the same `before`)."""
+    lo, hi = trained.ci95
+    gain = trained.gain
+    ratio = None
+    if control is not None and gain > 0:
+        ratio = gain / control.gain if control.gain > 0 else math.inf
+    common = {"gain": gain, "ci95": (lo, hi), "ratio": ratio,
+              "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None}
+    interval = f"[{lo:+.3f}, {hi:+.3f}]"
+    if lo <= 0:
+        return Verdict(False, f"not learned: the gain {gain:+.3f} has a 95% interval {interval} over "
+                       f"{trained.n_tasks} tasks that does not lie above 0 (no gain that can be told from noise)",
+                       **common)
+    if control is None:
+        return Verdict(False, f"not shown: the gain {gain:+.3f} {interval} is above 0, but without a shuffled-reward "
+                       "control it may be drift, not learning: train the same params with "
+                       "-o grpo.reward_control=shuffled and give its checkpoint as the control", **common)
+    if gain <= control.gain:
+        return Verdict(False, f"not learned: the gain {gain:+.3f} {interval} is not above the shuffled-reward "
+                       f"control's {control.gain:+.3f}: the rise is drift, not learning", **common)
+    times = "the control did not gain" if ratio == math.inf else f"{ratio:.1f}x the control's {control.gain:+.3f}"
+    target = "meets" if ratio is not None and ratio >= TARGET_RATIO else "below"
+    return Verdict(True, f"learned: the gain {gain:+.3f} {interval} is above 0 and above the shuffled-reward "
+                   f"control ({times}; {target} the {TARGET_RATIO:g}x target)", **common)
+
+
+# -- one check, end to end ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LearningCheck:
+    """The held-out set, each checkpoint's evaluation ('before', 'after', 'control'), the trained and control
+    comparisons with `before`, and the verdict."""
+
+    held_out: HeldOutSet
+    evaluations: dict[str, CheckpointEvaluation]
+    trained: Comparison
+    control: Comparison | None
+    verdict: Verdict
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per checkpoint: its role, tasks, mean rubric score, success rate, and its gain over `before`
+        with the 95% interval."""
+        rows = []
+        for role, ev in self.evaluations.items():
+            comparison = {"after": self.trained, "control": self.control}.get(role)
+            rows.append({"role": role, "checkpoint": ev.checkpoint, "tasks": len(ev.results),
+                         "mean rubric score": ev.mean_score, "success rate": ev.success_rate,
+                         f"gain ({self.trained.metric})": comparison.gain if comparison else None,
+                         "95% interval": list(comparison.ci95) if comparison else None})
+        return rows
+
+    def to_record(self) -> dict[str, Any]:
+        return {"held_out": {"path": str(self.held_out.path), **self.held_out.summary},
+                "evaluations": {role: {"checkpoint": ev.checkpoint, "spec": ev.spec, "fingerprint": ev.fingerprint,
+                                       "seed": ev.seed, "mean_score": ev.mean_score, "success_rate": ev.success_rate,
+                                       "success_threshold": ev.success_threshold}
+                                for role, ev in self.evaluations.items()},
+                "trained": self.trained.to_record(), "control": self.control.to_record() if self.control else None,
+                "verdict": self.verdict.to_record()}
+
+
+def checkpoint_training(params: Params, ck: Checkpoint) -> Params | None:
+    """The parameters the checkpoint's run trained with (its params.yaml), or None for M0 or a folder outside a
+    run (or a params.yaml this version cannot read)."""
+    if ck.kind == "base" or ck.path is None:
+        return None
+    run = params.run_dir if ck.iteration is not None else next(
+        (p for p in list(ck.path.parents)[:4] if (p / "params.yaml").is_file() and (p / "manifest.json").is_file()),
+        None)
+    if run is None or not (Path(run) / "params.yaml").is_file():
+        return None
+    try:
+        return load_params(Path(run) / "params.yaml")
+    except ParamsError as exc:
+        log.warning("cannot read how %s was trained: %s", ck.spec, exc)
+        return None
+
+
+def check_training(params: Params, ck: Checkpoint, role: str) -> None:
+    """Refuse a checkpoint whose run could have trained on the held-out documents, a control run given as the
+    trained one, or a trained run given as the control (each run records `grpo.reward_control`)."""
+    _check_reserved(params)
+    trained = checkpoint_training(params, ck)
+    if trained is None:
+        if ck.kind != "base":
+            log.warning("%s: no run folder (params.yaml, manifest.json) above it: the check cannot confirm that it "
+                        "never trained on the held-out documents, nor whether it is a control", ck.spec)
+        return
+    need, have = params.learning_check.held_out_documents, trained.learning_check.held_out_documents
+    same_order = (trained.selfplay.seed, trained.retrieval.corpus, trained.retrieval.max_passages) == \
+        (params.selfplay.seed, params.retrieval.corpus, params.retrieval.max_passages)
+    if have < need or not same_order:
+        raise ParamsError(f"{ck.spec} was trained with learning_check.held_out_documents {have} (selfplay.seed "
+                          f"{trained.selfplay.seed}, corpus {trained.retrieval.corpus}); the held-out set needs "
+                          f"{need} documents reserved from the same permutation (seed {params.selfplay.seed}, corpus "
+                          f"{params.retrieval.corpus}), else its tasks may come from training documents: check with "
+                          "that run's values, or retrain with these")
+    control = trained.grpo.reward_control
+    if role == "control" and control != "shuffled":
+        raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {control}: it is a trained run, not a "
+                          "control; give a checkpoint of the same params trained with -o grpo.reward_control=shuffled")
+    if role == "after" and control != "none":
+        raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {control}: it is the control; give it as "
+                          "the control and a run trained on its rewards as the checkpoint to check")
+
+
+def _unique(checkpoints: dict[str, Checkpoint]) -> dict[str, Checkpoint]:
+    """Distinct checkpoints get distinct names (adapters are served under their names: two runs'
+    'iter_01-solver' must not be taken for each other)."""
+    seen: dict[str, tuple] = {}
+    out = {}
+    for role, ck in checkpoints.items():
+        identity = (ck.kind, str(ck.path))
+        if ck.name in seen and seen[ck.name] != identity:
+            ck = replace(ck, name=f"{role}-{ck.name}")
+        seen[ck.name] = identity
+        out[role] = ck
+    return out
+
+
+def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint], *, seed: int | None = None,
+                         engine: Engine | None = None, components: CheckComponents | None = None,
+                         policies: dict[str, Policy] | None = None, model_id: str | None = None,
+                         root: str | Path | None = None, progress: bool = True
+                         ) -> tuple[HeldOutSet, dict[str, CheckpointEvaluation]]:
+    """`scope learning-check evaluate`: the held-out set (built or reused) and each checkpoint's evaluation, keyed
+    like `checkpoints` (stored evaluations are read back; no model loads when every one is stored). A key that is a
+    role ('after', 'control') is checked for it too (`check_training`). `engine` / `components` / `policies`
+    (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
+    resolved = _unique({key: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
+                        for key, spec in checkpoints.items()})
+    for key, ck in resolved.items():
+        check_training(params, ck, key)
+    opened: dict[str, Any] = {}
+
+    def open_all() -> dict[str, Any]:
+        if not opened:
+            lent = components.engine if components is not None else engine
+            wanted = [ck for ck in dict.fromkeys(resolved.values()) if ck.name not in (policies or {})]
+            opened["policies"] = {**(policies or {}), **(open_policies(params, wanted, engine=lent) if wanted else {})}
+            m0 = lent or base_engine(opened["policies"]) or make_engine(params, "policy")
+            opened["components"] = components or open_components(params, engine=m0)
+        return opened
+
+    held_out = held_out_set(params, lambda: open_all()["components"], model_id=model_id, root=root, progress=progress)
+    evaluations = {}
+    for key, ck in resolved.items():
+        evaluations[key] = stored_evaluation(params, held_out, ck, seed) or evaluate_checkpoint(
+            params, held_out, open_all()["policies"][ck.name], open_all()["components"], seed=seed,
+            progress=progress)
+    return held_out, evaluations
+
+
+def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
+              control: str | Checkpoint | None = None, metric: str = "score", write: bool = True,
+              **lent: Any) -> LearningCheck:
+    """`scope learning-check compare`: `before`, `after` and the optional shuffled-reward `control` evaluated on the
+    held-out set (`evaluate_checkpoints`, which takes `lent` models), the paired comparisons with `before`, and
+    the verdict, written to <run>/learning_check/<after>-vs-<before>.json. Refuses a checkpoint whose run could
+    have trained on the held-out documents, or whose run's `grpo.reward_control` says it plays the other role."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
+    specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
+    held_out, evaluations = evaluate_checkpoints(params, specs, **lent)
+    lc = params.learning_check
+
+    def comparison(role: str) -> Comparison:
+        return compare_evaluations(evaluations["before"], evaluations[role], metric=metric,
+                                   n_samples=lc.bootstrap_samples, seed=lc.seed)
+
+    trained = comparison("after")
+    controlled = comparison("control") if "control" in evaluations else None
+    check = LearningCheck(held_out, evaluations, trained, controlled, learning_verdict(trained, controlled))
+    log.info("learning check of %s against %s: %s", trained.after, trained.before, check.verdict.reason)
+    if write:
+        atomic_write_json(params.run_dir / "learning_check" / f"{trained.after}-vs-{trained.before}.json",
+                          check.to_record())
+    return check
+
+
+def read_check(path: str | Path) -> dict[str, Any]:
+    """A written check (`run_check(write=True)`) read back."""
+    return read_json(path, "delete it; `scope learning-check compare` writes it again from the stored evaluations")

@@ -1,0 +1,313 @@
+"""The learning check (scope_lib/evaluation/learning_check.py): held-out documents training never samples, the
+held-out task set built once, cached and resumed, checkpoints evaluated on it, the paired bootstrap comparison
+and the verdict. A scripted engine that follows the protocol plays every model over the real Wikipedia sample;
+its Solver carries a planted signal: M0 answers like the scripted Solver but (seeded) half the time not at all,
+the 'trained' adapter names every entity of the task."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scripted_engine import ScriptedEngine, scripted_run_params
+
+from scope_lib.config import ParamsError
+from scope_lib.evaluation.evaluate import Checkpoint, Policy
+from scope_lib.evaluation.learning_check import (
+    CheckComponents,
+    compare_evaluations,
+    evaluate_checkpoint,
+    held_out_set,
+    learning_verdict,
+    paired_bootstrap,
+    screen_window,
+)
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval.corpus import document_range, held_out_range
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.loop import training_documents
+
+DIALECT = get_dialect("qwen2.5")
+CHECK = {"learning_check.held_out_documents": 40, "learning_check.tasks": 10, "learning_check.samples": 2,
+         "learning_check.batch_size": 8, "learning_check.eval_batch_tasks": 6,
+         "learning_check.bootstrap_samples": 1000}
+
+
+def task_names(context: str) -> list[str]:
+    question = context.split("Question:", 1)[-1].split("<|im_end|>", 1)[0]
+    names = question.split("Explain how ", 1)[-1].split(" are connected", 1)[0].split(" and ")
+    return [n.strip() for n in names if n.strip()]
+
+
+class PlantedEngine(ScriptedEngine):
+    """The scripted engine with a planted Solver signal: M0 (adapter None) answers "I do not know" in half of its
+    final answers (seeded by the call's seed and the row), an adapter in `trained` names every entity of the task
+    (every rubric holds); any other adapter answers like M0."""
+
+    def __init__(self, *args, trained=("trained",), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = set(trained)
+
+    def generate(self, prompt_token_ids, sampling, adapter=None):
+        out = super().generate(prompt_token_ids, sampling, adapter)
+        for i, ids in enumerate(prompt_token_ids):
+            context = self.tokenizer.decode(ids)
+            if self.role(context) != "solver" or "<answer>" not in out[i].text:
+                continue
+            if adapter in self.trained:
+                named = ", ".join(task_names(context) + ["the source document"])
+                out[i] = self._complete(f"<think>I know this.</think>\n<answer>It is about {named}.</answer>",
+                                        sampling)
+            elif random.Random(f"{sampling.seed}/{i}").random() < 0.5:
+                out[i] = self._complete("<think>Unsure.</think>\n<answer>I do not know.</answer>", sampling)
+        return out
+
+
+class CrashingEngine(PlantedEngine):
+    """Dies at its `crash_at`-th generate call (a kill in the middle of a build)."""
+
+    def __init__(self, *args, crash_at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.crash_at = crash_at
+
+    def generate(self, prompt_token_ids, sampling, adapter=None):
+        if self.calls + 1 == self.crash_at:
+            raise KeyboardInterrupt("killed")
+        return super().generate(prompt_token_ids, sampling, adapter)
+
+
+@pytest.fixture(scope="module")
+def params(wiki_sample, tmp_path_factory):
+    return scripted_run_params(wiki_sample.parent, tmp_path_factory.mktemp("runs"), **CHECK)
+
+
+def components(params, retriever, passages, tokenizer, engine_class=PlantedEngine, **kwargs):
+    engine = engine_class(tokenizer, DIALECT, **kwargs)
+    return CheckComponents(engine, Judge(engine, params.judge, seed=params.selfplay.seed), retriever, DIALECT,
+                           passages)
+
+
+@pytest.fixture(scope="module")
+def built(params, retriever, passages, tiny_tokenizer, tmp_path_factory):
+    """The held-out set built once (root: a temporary cache folder) and the components it was built with."""
+    c = components(params, retriever, passages, tiny_tokenizer)
+    root = tmp_path_factory.mktemp("heldout")
+    held_out = held_out_set(params, c, model_id="scripted", root=root, progress=False)
+    return held_out, c, root, c.engine.calls
+
+
+def policy(name: str, engine, adapter: str | None) -> Policy:
+    kind = "base" if adapter is None else "adapter"
+    return Policy(Checkpoint(name, kind, None, name), engine, adapter)
+
+
+def test_training_never_samples_a_held_out_document(params, passages):
+    limit = training_documents(params, len(passages))
+    held = {p.id for p in held_out_range(passages, params.learning_check.held_out_documents, params.selfplay.seed)}
+    assert limit == len(passages) - 40 and len(held) == 40
+    reached = set()
+    for start in range(0, limit + 60, 7):          # past the limit too: training's ranges wrap inside it
+        reached |= {p.id for p in document_range(passages, start, 13, params.selfplay.seed, limit=limit)}
+    assert not reached & held
+    assert reached | held == {p.id for p in passages}   # every other document stays reachable
+    # the reserved tail is the end of the same permutation training walks from its start
+    assert [p.id for p in document_range(passages, limit, 40, params.selfplay.seed)] == \
+        [p.id for p in held_out_range(passages, 40, params.selfplay.seed)]
+    with pytest.raises(ParamsError, match="held_out_documents"):
+        training_documents(params.model_copy(update={"learning_check": params.learning_check.model_copy(
+            update={"held_out_documents": len(passages)})}), len(passages))
+
+
+def test_the_held_out_set_is_m0s_tasks_on_reserved_documents_near_the_window(built, params, passages):
+    held_out, *_ = built
+    reserved = {p.id for p in held_out_range(passages, 40, params.selfplay.seed)}
+    lo, hi = screen_window(params)
+    assert (lo, hi) == (pytest.approx(0.05), pytest.approx(0.95)) and held_out.window == (lo, hi)
+    assert len(held_out.tasks) == params.learning_check.tasks == held_out.summary["tasks"]
+    assert len({t.document_id for t in held_out.tasks}) == len(held_out.tasks)        # one per document
+    for task in held_out.tasks:
+        assert task.document_id in reserved and task.gates_passed and task.rubrics
+        assert len(task.solver_scores) == params.learning_check.samples and lo <= task.mean_score <= hi
+    assert held_out.summary["stopped"] == "target" and held_out.summary["candidates"] > len(held_out.tasks)
+    assert held_out.summary["built"] >= len(held_out.tasks)                  # whole batches: maybe a few more
+    assert (held_out.path / "fingerprint.json").is_file()
+
+
+def test_the_held_out_set_is_cached_and_reused(built, params, retriever, passages, tiny_tokenizer):
+    held_out, _, root, _ = built
+    again = components(params, retriever, passages, tiny_tokenizer)
+    reused = held_out_set(params, lambda: pytest.fail("a cached set opens no model"), model_id="scripted",
+                          root=root, progress=False)
+    reused = held_out_set(params, again, model_id="scripted", root=root, progress=False)
+    assert again.engine.calls == 0                                                # nothing generated
+    assert [t.to_record() for t in reused.tasks] == [t.to_record() for t in held_out.tasks]
+    # other parameters that shape a task or its score are another set, in another folder
+    other = params.model_copy(deep=True)
+    other.solver.temperature = 0.5
+    opened = []
+    different = held_out_set(other, lambda: opened.append(1) or again, model_id="scripted", root=root,
+                             progress=False)
+    assert opened == [1] and different.path != held_out.path
+
+
+def test_a_killed_build_resumes_without_losing_or_duplicating_tasks(built, params, retriever, passages,
+                                                                    tiny_tokenizer, tmp_path):
+    held_out, _, _, build_calls = built
+    crashing = components(params, retriever, passages, tiny_tokenizer, CrashingEngine, crash_at=12)
+    with pytest.raises(KeyboardInterrupt):
+        held_out_set(params, crashing, model_id="scripted", root=tmp_path, progress=False)
+    folder = next(tmp_path.glob("tiny-*"))
+    assert not (folder / "DONE").exists() and (folder / "chunks.jsonl").read_text().strip()   # a batch was kept
+    with open(folder / "tasks.jsonl", "a") as f:   # the kill landed while batch 1's records were being written
+        f.write('{"id": "h0001-0/g0", "chunk": 1, "task": "half a batch"}\n{"id": "h0001-1/g0", "ch')
+    resumed = components(params, retriever, passages, tiny_tokenizer)
+    again = held_out_set(params, resumed, model_id="scripted", root=tmp_path, progress=False)
+    ids = [t.challenger_id for t in again.tasks]
+    assert len(ids) == len(set(ids))
+    assert [t.to_record() for t in again.tasks] == [t.to_record() for t in held_out.tasks]
+    assert resumed.engine.calls < build_calls    # the batch finished before the kill was not redone
+
+
+def test_two_identical_checkpoints_are_not_called_different(built, params):
+    held_out, c, *_ = built
+    m0 = policy("base", c.engine, None)
+    first = evaluate_checkpoint(params, held_out, m0, c, seed=0, progress=False)
+    second = evaluate_checkpoint(params, held_out, m0, c, seed=1, progress=False)   # the same weights, new samples
+    assert [r.task_id for r in first.results] == [t.challenger_id for t in held_out.tasks]
+    assert first.mean_score != second.mean_score                                    # sampling noise is there ...
+    comparison = compare_evaluations(first, second, n_samples=1000, seed=0)
+    lo, hi = comparison.ci95
+    assert lo < 0 < hi                                                              # ... and the interval covers it
+    verdict = learning_verdict(comparison, compare_evaluations(first, first, n_samples=1000, seed=0))
+    assert not verdict.learned and "not learned" in verdict.reason
+    same = compare_evaluations(first, first)
+    assert same.gain == 0 and same.ci95 == (0.0, 0.0) and not learning_verdict(same).learned
+
+
+def test_a_planted_signal_is_found_and_only_above_its_control_it_is_learning(built, params):
+    held_out, c, *_ = built
+    m0 = evaluate_checkpoint(params, held_out, policy("base", c.engine, None), c, progress=False)
+    trained = evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c, progress=False)
+    assert trained.engine_calls > 0
+    assert trained.mean_score == pytest.approx(1.0) and trained.success_rate == 1.0
+    comparison = compare_evaluations(m0, trained, n_samples=1000, seed=0)
+    assert comparison.ci95[0] > 0 and comparison.gain == pytest.approx(1.0 - m0.mean_score)
+    assert learning_verdict(comparison).learned is False                      # no control: not shown
+    drift = evaluate_checkpoint(params, held_out, policy("control", c.engine, None), c, seed=3, progress=False)
+    control = compare_evaluations(m0, drift, n_samples=1000, seed=0)
+    verdict = learning_verdict(comparison, control)
+    assert verdict.learned and verdict.meets_target and "learned:" in verdict.reason
+    # a control that gained as much is drift, whatever the interval
+    assert not learning_verdict(comparison, comparison).learned
+    # the stored evaluation is read back without any model call
+    calls = c.engine.calls
+    assert evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c,
+                               progress=False).engine_calls == 0 and c.engine.calls == calls
+
+
+def test_paired_bootstrap_is_seeded_and_needs_two_tasks():
+    differences = [0.1, -0.2, 0.3, 0.0, 0.25, -0.05]
+    assert paired_bootstrap(differences, 500, 1) == paired_bootstrap(differences, 500, 1)
+    lo, hi = paired_bootstrap(differences, 2000, 0)
+    assert lo < sum(differences) / len(differences) < hi
+    assert paired_bootstrap([0.5] * 4, 100, 0) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="at least 2 tasks"):
+        paired_bootstrap([0.3], 100, 0)
+
+
+def fake_run(folder, params, control: str):
+    """A run folder as `scope train` leaves it, for the check's bookkeeping: params.yaml, manifest.json and an
+    iteration-1 Solver adapter (its weights never load: the scripted engine plays it by name)."""
+    trained = params.model_copy(deep=True)
+    trained.grpo.reward_control = control
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(trained.to_yaml())
+    (folder / "manifest.json").write_text(f'{{"reward_control": "{control}"}}')
+    adapter = folder / "iter_01" / "solver" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(control.encode())
+    return folder / "iter_01" / "solver"
+
+
+def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenizer, tmp_path, monkeypatch, capsys):
+    """`scope learning-check compare` end to end: a trained run and its shuffled-reward control, the verdict
+    printed and written, everything reused by a second call (no model opened), and the refusals."""
+    import json
+
+    from scope_lib.cli import main
+    from scope_lib.evaluation import learning_check
+
+    scripted = PlantedEngine(tiny_tokenizer, DIALECT, trained={"iter_01-solver"})
+    opened = []
+
+    def open_policies(params, checkpoints, engine=None):   # the scripted engine stands in for M0 and the adapters
+        opened.append([ck.name for ck in checkpoints])
+        return {ck.name: Policy(ck, scripted, None if ck.kind == "base" else ck.name) for ck in checkpoints}
+
+    monkeypatch.setattr(learning_check, "open_policies", open_policies)
+    monkeypatch.setattr(learning_check, "model_identity", lambda params: "scripted")
+    monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    run = params.model_copy(deep=True)
+    run.run.runs_dir = str(tmp_path / "runs")
+    run.model.warm_start.enabled = False           # M0 is the scripted engine: nothing to warm-start
+    fake_run(run.run_dir, run, "none")
+    control = fake_run(tmp_path / "runs" / "control", run, "shuffled")
+    (tmp_path / "p.yaml").write_text(run.to_yaml())
+    args = ["learning-check", "compare", str(tmp_path / "p.yaml"), "--after", "iter_01/solver"]
+    assert main(args + ["--control", str(control)]) == 0
+    out = capsys.readouterr().out
+    assert "learned: the gain" in out and "control-iter_01-solver" in out
+    written = json.loads((run.run_dir / "learning_check" / "iter_01-solver-vs-base.json").read_text())
+    assert written["verdict"]["learned"] and written["trained"]["ci95"][0] > 0 and written["control"]["tasks"] == 10
+    assert opened == [["base", "iter_01-solver", "control-iter_01-solver"]]
+    calls = scripted.calls
+    assert main(args + ["--control", str(control)]) == 0                      # everything stored: nothing opened
+    assert scripted.calls == calls and len(opened) == 1 and "learned: the gain" in capsys.readouterr().out
+    # a trained run given as the control, a control given as the trained run, no reserved documents
+    assert main(args + ["--control", "iter_01/solver"]) == 2
+    assert "is a trained run, not a control" in capsys.readouterr().err
+    assert main(["learning-check", "compare", str(tmp_path / "p.yaml"), "--after", str(control)]) == 2
+    assert "give it as the control" in capsys.readouterr().err
+    assert main(args + ["-o", "learning_check.held_out_documents=0"]) == 2
+    assert "held_out_documents is 0" in capsys.readouterr().err
+    assert main(args + ["-o", "learning_check.held_out_documents=80"]) == 2   # the run reserved only 40
+    assert "may come from training documents" in capsys.readouterr().err
+
+
+def test_the_learning_check_figure_and_table(built, params):
+    from scope_lib.evaluation.learning_check import LearningCheck
+    from scope_lib.reports.analysis import learning_check_figure, learning_check_table
+
+    held_out, c, *_ = built
+    m0 = evaluate_checkpoint(params, held_out, policy("base", c.engine, None), c, progress=False)
+    trained = evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c, progress=False)
+    drift = evaluate_checkpoint(params, held_out, policy("control", c.engine, None), c, seed=3, progress=False)
+    gain, control = compare_evaluations(m0, trained), compare_evaluations(m0, drift)
+    check = LearningCheck(held_out, {"before": m0, "after": trained, "control": drift}, gain, control,
+                          learning_verdict(gain, control))
+    table = learning_check_table(check)
+    assert table["role"].tolist() == ["before", "after", "control"]
+    assert table["gain (score)"].tolist()[1:] == [pytest.approx(gain.gain), pytest.approx(control.gain)]
+    fig = learning_check_figure(check)
+    assert fig.layout.title.text.startswith("Learning check: trained vs base") and "learned" in fig.layout.title.text
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text and fig.layout.yaxis2.title.text
+    after = next(t for t in fig.data if t.name == "after: trained")
+    assert sorted(after.y) == sorted(gain.values_after) and len(after.x) == gain.n_tasks
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [b.x[0] for b in bars] == ["trained", "control"] and bars[0].y[0] == pytest.approx(gain.gain)
+    assert bars[0].error_y.array[0] == pytest.approx(gain.ci95[1] - gain.gain)
+
+
+def test_asking_for_more_tasks_extends_the_set(built, params, retriever, passages, tiny_tokenizer, tmp_path):
+    held_out, _, root, _ = built
+    more = params.model_copy(deep=True)
+    more.learning_check.tasks = held_out.summary["built"] + 4
+    grown_with = components(params, retriever, passages, tiny_tokenizer)
+    grown = held_out_set(more, grown_with, model_id="scripted", root=root, progress=False)
+    assert grown.path == held_out.path and len(grown.tasks) == more.learning_check.tasks
+    assert [t.to_record() for t in grown.tasks[:len(held_out.tasks)]] == [t.to_record() for t in held_out.tasks]
+    fresh_with = components(params, retriever, passages, tiny_tokenizer)
+    fresh = held_out_set(more, fresh_with, model_id="scripted", root=tmp_path, progress=False)
+    assert [t.to_record() for t in fresh.tasks] == [t.to_record() for t in grown.tasks]   # as if built at once
+    assert 0 < grown_with.engine.calls < fresh_with.engine.calls                       # only the new batches ran
