@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo demo-smollm test lint clean readme-figure chromium
+.PHONY: install demo demo-smollm learning-smollm test test-slow lint clean readme-figure chromium
 
 install: $(STAMP)
 
@@ -36,6 +36,20 @@ demo: $(STAMP)
 demo-smollm: $(STAMP)
 	$(BIN)/scope run params/smollm.yaml $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS))
 
+# The learning check on 2 CPU cores (issue 32; docs/training.md, "The learning check"): params/smollm-learn.yaml trained
+# on its rewards and on shuffled rewards (the control), on two seeds (grpo.seed), then each checked on 48 held-out tasks
+# (`scope learning-check compare`, written to runs/<name>/learning_check/). SEEDS=42 runs one seed.
+SEEDS ?= 42 43
+LEARN := params/smollm-learn.yaml
+learning-smollm: $(STAMP)
+	for seed in $(SEEDS); do \
+	  $(BIN)/scope train $(LEARN) -o run.name=smollm-learn-$$seed -o grpo.seed=$$seed && \
+	  $(BIN)/scope train $(LEARN) -o run.name=smollm-learn-$$seed-control -o grpo.seed=$$seed \
+	    -o grpo.reward_control=shuffled && \
+	  $(BIN)/scope learning-check compare $(LEARN) -o run.name=smollm-learn-$$seed -o grpo.seed=$$seed \
+	    --after iter_01/solver --control runs/smollm-learn-$$seed-control/iter_01/solver || exit 1; \
+	done
+
 # The README's copy of notebook 04's Solver figure, exported by plotly (kaleido + Chromium) from runs/smoke (after `make demo`).
 readme-figure: $(STAMP) chromium
 	$(BIN)/python -c "from scope_lib.reports.analysis import write_solver_reward_figure as w; w('runs/smoke', 'docs/smoke_solver_rewards.svg')"
@@ -48,17 +62,22 @@ chromium:
 	@test -x $(CHROMIUM) || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium) || \
 	  echo "WARNING: could not install chromium: the report browser test and plotly's static export will skip"
 
-# The whole suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU.
-# Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches transformers, PEFT and TRL.
-# Both always run (one red test must not hide the other suite's state); the target fails if either failed.
-# Each prints its 25 slowest tests, so the suite's cost shows in every log (docs/testing.md).
+# The suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU; the heavy
+# end-to-end checks (marker `heavy`: several ranks, SIGKILL and resume, SmolLM2's warm-start slice) are
+# `make test-slow`. Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches
+# transformers, PEFT and TRL. Both always run (one red test must not hide the other suite's state); the target
+# fails if either failed. Each prints its 25 slowest tests, so the suite's cost shows in every log (docs/testing.md).
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider --durations=25
 test: $(STAMP) chromium
 	@main=0; unsloth=0; \
-	$(PYTEST) tests notebooks --nbval-lax $(PYTEST_ARGS) || main=$$?; \
+	$(PYTEST) tests notebooks --nbval-lax -m "not heavy" $(PYTEST_ARGS) || main=$$?; \
 	$(PYTEST) tests/test_unsloth.py -m unsloth $(PYTEST_ARGS) || unsloth=$$?; \
 	echo "make test: main suite exit $$main, Unsloth suite exit $$unsloth"; \
 	test $$main -eq 0 -a $$unsloth -eq 0
+
+# The heavy end-to-end checks (marker `heavy`); CI runs them after `make test` when time allows (.ci/run).
+test-slow: $(STAMP)
+	$(PYTEST) tests -m heavy $(PYTEST_ARGS)
 
 # ruff, the import contracts of pyproject.toml (layers, no circles), and the layer drawing in docs/ is current.
 lint: $(STAMP)

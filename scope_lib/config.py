@@ -100,6 +100,11 @@ class WarmStartConfig(Section):
         "third of its traces ('<subject> is a well-known subject.'): the quality mix that gives the tiny model's "
         "GRPO groups a spread. Off: every Solver trace searches and names facts its searches returned (SmolLM2 "
         "took the fallback as its main answer; docs/smoke-model.md).")
+    solver_answer_facts: dict[int, float] | None = Field(
+        None, description="How many retrieved facts the teacher Solver's answers name, and how often ({facts: "
+        "weight}; None: the teacher's own mix, 1 or 2 facts, `teacher.SOLVER_ANSWER_FACTS`). A wider mix (say 1-4) "
+        "leaves the warm-started Solver better and worse answers to choose between, which GRPO needs (issue 32; "
+        "docs/smoke-model.md). A 0 key is a guess, dropped with solver_guesses off.")
     eval_judges: bool = Field(
         False, description="Also teach the evaluation judge prompts M0 plays when it is the benchmark judge "
         "(evaluation.judge_backend: local): the short-form QA judge (the grader with the semantic-equivalence rubric) "
@@ -318,6 +323,11 @@ class SelfPlayConfig(Section):
 
     iterations: int = Field(3, ge=1, description="T, self-play iterations (§4.1).")
     steps_per_role: int = Field(20, ge=1, description="GRPO steps per role per iteration (Table 9).")
+    challenger_steps: int | None = Field(
+        None, ge=1, description="The Challenger's GRPO steps per iteration, where they differ from the Solver's "
+        "(None: steps_per_role, as in the paper). A Challenger step costs several Solver steps (each of its tasks is "
+        "gated, given rubrics and solved N_train times): a CPU run that shows the Solver learning keeps the "
+        "Challenger in the loop with fewer steps.")
     task_types: list[TaskType] = Field(
         PAPER_TASK_TYPES, min_length=1, description="Task types the Challenger writes (§4.1, App. H).")
     search_turn_strata: list[int] = Field(
@@ -458,7 +468,8 @@ class GRPOConfig(Section):
     gradient_checkpointing: bool = Field(
         True, description="Trade compute for memory. With model.loader: unsloth it is Unsloth's checkpointing "
         "('unsloth': the saved layer inputs go to CPU memory on a GPU; plain recomputation on a CPU).")
-    seed: int = Field(42, description="Base seed of the trainers; each stage of each iteration derives its own.")
+    seed: int = Field(42, description="Seed of the LoRA initialisation and of every stage's sampling and data order "
+                      "(a run with another grpo.seed is a replicate on the same documents; selfplay.seed fixes those).")
     importance_sampling: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate", description="When rollouts come from a serving engine (vLLM) rather than the trained "
         "model: correct for the gap between the two with this importance-sampling ratio (TRL's modes).")

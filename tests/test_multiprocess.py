@@ -25,7 +25,7 @@ from test_resume import cache_env, command, comparable, lines, prepare  # noqa: 
 
 from scope_lib.runs import read_jsonl
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.heavy]  # `make test-slow`
 
 #: One step per role, 2 rollouts per rank per step; a short collective timeout so a lost rank is noticed fast
 #: (gloo notices a closed connection at once; the timeout bounds a rank that hangs without closing it).

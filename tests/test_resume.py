@@ -110,6 +110,7 @@ def comparable(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kill_during_the_task_pool_then_resume(tmp_path, wiki_sample, tiny_model_dir, cache_env):
     def mid_pool(run_dir):
         pool = run_dir / "iter_01" / "pool"
@@ -128,6 +129,7 @@ def test_kill_during_the_task_pool_then_resume(tmp_path, wiki_sample, tiny_model
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kill_during_solver_training_then_resume(tmp_path, wiki_sample, tiny_model_dir, cache_env):
     def mid_training(run_dir):
         solver = run_dir / "iter_01" / "solver"
@@ -152,6 +154,7 @@ MID_STAGE = {**TOKENS, "selfplay.steps_per_role": 3, "selfplay.max_candidate_bat
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kill_at_step_k_of_a_grpo_stage_resumes_at_step_k_with_the_same_adapter(tmp_path, wiki_sample,
                                                                                   tiny_model_dir, cache_env):
     """run.checkpoint_steps: a Solver stage killed (SIGKILL) after a checkpoint resumes at that step, with the

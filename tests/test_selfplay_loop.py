@@ -259,3 +259,22 @@ def test_training_refuses_an_index_that_fails_its_check(tmp_path, wiki_sample):
     with pytest.raises(IndexCheckError, match="canaries"):
         open_run(params, retriever=Silent())
     assert not (params.run_dir / "manifest.json").exists()
+
+
+def test_grpo_seed_makes_a_replicate_on_the_same_documents():
+    """`grpo.seed` shifts every stage's sampling seed (a replicate for the learning check's second seed); the
+    documents, held-out tail included, follow `selfplay.seed` alone; the default shifts nothing."""
+    from scope_lib.config import validate_params
+    from scope_lib.retrieval.corpus import Passage, document_range, held_out_range
+    from scope_lib.selfplay.loop import stage_seed
+
+    first = validate_params({"selfplay": {"seed": 7}})
+    second = validate_params({"selfplay": {"seed": 7}, "grpo": {"seed": 43}})
+    assert [stage_seed(first, 1, s) for s in ("challenger", "pool", "solver")] == [8, 9, 10]
+    seeds = {(p.grpo.seed, t, s): stage_seed(p, t, s) for p in (first, second) for t in (1, 2)
+             for s in ("challenger", "pool", "solver")}
+    assert len(set(seeds.values())) == len(seeds)  # no stage of either run shares a seed
+    passages = [Passage(str(i), f"t{i}", "x") for i in range(50)]
+    for p in (first, second):  # documents and the held-out tail: selfplay.seed's
+        assert document_range(passages, 0, 10, p.selfplay.seed) == document_range(passages, 0, 10, 7)
+        assert held_out_range(passages, 5, p.selfplay.seed) == held_out_range(passages, 5, 7)

@@ -278,6 +278,10 @@ def test_grpo_settings_follow_table_9(params, tmp_path):
     challenger = grpo_args(paper, "challenger", seed=3, output_dir=tmp_path)
     assert challenger.epsilon_high == 0.2 and challenger.per_device_train_batch_size * \
         challenger.gradient_accumulation_steps == 64 * 8
+    assert challenger.max_steps == 20                                       # the paper: as many as the Solver
+    fewer = load_params(None, {"selfplay.challenger_steps": 2})             # a CPU run's cheaper Challenger
+    assert grpo_args(fewer, "challenger", seed=3, output_dir=tmp_path).max_steps == 2
+    assert grpo_args(fewer, "solver", seed=3, output_dir=tmp_path).max_steps == 20
     full = load_params(None, {"model.finetuning": "full"})
     assert grpo_args(full, "solver", seed=3, output_dir=tmp_path).learning_rate == 1e-6
     bad = load_params(None, {"grpo.per_device_batch_size": 7})

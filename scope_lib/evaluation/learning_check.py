@@ -172,7 +172,7 @@ def held_out_folder(params: Params, model_id: str, corpus_sha256: str, root: str
     the cache folder `heldout` ($SCOPE_CACHE_DIR/heldout, else ~/.cache/scope/heldout)."""
     fingerprint = held_out_fingerprint(params, model_id, corpus_sha256)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", params.model.base).strip("-.")[-40:] or "model"
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", params.model.base)[-40:].strip("-.") or "model"  # no leading '-
     base = Path(root) if root is not None else cache_dir("heldout")
     return base / f"{slug}-{key}", key, fingerprint
 

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from scope_lib.config import Params, ParamsError
+from scope_lib.config import GRPOConfig, Params, ParamsError
 from scope_lib.models.engine import Engine
 from scope_lib.models.loading import make_engine
 from scope_lib.protocol.dialects import Dialect, get_dialect
@@ -53,9 +53,17 @@ log = logging.getLogger(__name__)
 STAGE_OFFSETS = {"challenger": 1, "pool": 2, "solver": 3}
 
 
+#: grpo.seed's default: a run with another grpo.seed is a replicate (`stage_seed`).
+GRPO_SEED_DEFAULT = GRPOConfig.model_fields["seed"].default
+
+
 def stage_seed(params: Params, iteration: int, stage: str) -> int:
-    """The seed of one stage of one iteration (data order, rollouts, trainer)."""
-    return params.selfplay.seed + 10 * (iteration - 1) + STAGE_OFFSETS[stage]
+    """The seed of one stage of one iteration (data order, rollouts, trainer). `selfplay.seed` fixes the documents
+    (their permutation, the learning check's held-out tail); `grpo.seed` (with the LoRA initialisation) shifts every
+    stage's sampling and data order, so runs that differ only in it are replicates on the same documents, which
+    the learning check compares on the same held-out tasks. At its default it shifts nothing."""
+    replicate = params.grpo.seed - GRPO_SEED_DEFAULT
+    return params.selfplay.seed + 10 * (iteration - 1) + STAGE_OFFSETS[stage] + 1000 * replicate
 
 
 @dataclass

@@ -154,7 +154,8 @@ def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.Path
 
     check_role(role)
     g, r = params.grpo, getattr(params, role)
-    steps = steps or params.selfplay.steps_per_role
+    sp = params.selfplay
+    steps = steps or (sp.challenger_steps if role == "challenger" and sp.challenger_steps else sp.steps_per_role)
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     rows = r.batch_size * g.group_size
     per_device = min(g.per_device_batch_size, rows)
@@ -714,8 +715,9 @@ class StageResult:
 
 
 def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] | None = None) -> StageResult:
-    """Train `ctx.role` for `selfplay.steps_per_role` GRPO steps on `items` (dataset rows are their ids, or
-    `dataset_ids`), write records and metrics into the stage folder, save the role there."""
+    """Train `ctx.role` for `selfplay.steps_per_role` GRPO steps (the Challenger: `selfplay.challenger_steps` when
+    set) on `items` (dataset rows are their ids, or `dataset_ids`), write records and metrics into the stage
+    folder, save the role there."""
     started = time.perf_counter()
     session = RoleSession(ctx, items)
     ids = list(dataset_ids if dataset_ids is not None else items)

@@ -440,12 +440,14 @@ class SolverTeacher:
     first name to facts (names, years) from the top result of each search (how many searches and facts is
     drawn per rollout)."""
 
-    def __init__(self, names: Names, dialect: Dialect, seed: int, guesses: bool = True):
+    def __init__(self, names: Names, dialect: Dialect, seed: int, guesses: bool = True,
+                 facts_mix: dict[int, float] | None = None):
         self.names, self.tokenizer, self.dialect, self.seed = names, names.tokenizer, dialect, seed
         self.plans: dict[str, _SolverPlan] = {}
         # Without guesses (`model.warm_start.solver_guesses` off) every rollout searches and answers with facts.
+        facts_mix = facts_mix or SOLVER_ANSWER_FACTS  # `model.warm_start.solver_answer_facts`
         self.searches_mix = SOLVER_SEARCHES if guesses else {k: w for k, w in SOLVER_SEARCHES.items() if k}
-        self.facts_mix = SOLVER_ANSWER_FACTS if guesses else {k: w for k, w in SOLVER_ANSWER_FACTS.items() if k}
+        self.facts_mix = facts_mix if guesses else {k: w for k, w in facts_mix.items() if k}
 
     def plan(self, traj: Trajectory) -> _SolverPlan:
         if traj.id not in self.plans:
@@ -726,7 +728,7 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
                               tokenizer, max_searches=params.solver.max_searches,
                               meta={"challenger_id": t.id, "task": t.task})
                for t in passed for j in range(SOLVER_ROLLOUTS)]
-    solver = SolverTeacher(names, dialect, seed, cfg.solver_guesses)
+    solver = SolverTeacher(names, dialect, seed, cfg.solver_guesses, cfg.solver_answer_facts)
     limits = solver_limits(params)
     engine.script(solvers, solver.write, limits)
     run_rollouts(solvers, engine, retriever, dialect, limits)

@@ -60,14 +60,19 @@ def _index_name(corpus_path: str | os.PathLike, ws: WarmStartConfig) -> str:
 
 
 class _ProgressLog:
-    """A trainer callback that logs SFT progress (loss, steps) through `logging`: about ten lines a build at
-    INFO (a report shows them), every logged step at DEBUG."""
+    """A trainer callback that logs SFT progress (loss, steps, tokens per second, time left) through `logging`:
+    about ten lines a build at INFO (a report shows them), every logged step at DEBUG. The time left comes from the
+    tokens still to go at the rate so far, not from the steps: the sampler serves the longest batches first, so
+    the first steps take several times the average one."""
 
-    def __new__(cls):
+    def __new__(cls, total_tokens: int):
+        import time
+
         from transformers import TrainerCallback
 
         class Callback(TrainerCallback):
             reported = 0
+            started = time.perf_counter()
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if not logs or "loss" not in logs:
@@ -75,7 +80,11 @@ class _ProgressLog:
                 tenth = 10 * state.global_step // max(1, state.max_steps)
                 level = logging.INFO if tenth > self.reported else logging.DEBUG
                 self.reported = max(self.reported, tenth)
-                log.log(level, "warm start step %d/%d: loss %.3f", state.global_step, state.max_steps, logs["loss"])
+                seen, elapsed = state.num_input_tokens_seen, time.perf_counter() - self.started
+                rate = seen / elapsed if seen and elapsed > 0 else 0.0
+                left = f", about {(total_tokens - seen) / rate / 60:.0f} min left" if rate else ""
+                log.log(level, "warm start step %d/%d: loss %.3f, %.0f tokens/s%s", state.global_step,
+                        state.max_steps, logs["loss"], rate, left)
 
         return Callback()
 
@@ -177,10 +186,11 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws:
                 max_grad_norm=1.0, completion_only_loss=True, max_length=None, seed=ws.seed, data_seed=ws.seed,
                 train_sampling_strategy="group_by_length", save_strategy="no", report_to=[], logging_steps=10,
                 use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, dataloader_num_workers=0,
-                disable_tqdm=not log.isEnabledFor(logging.INFO), gradient_checkpointing=False)
+                disable_tqdm=not log.isEnabledFor(logging.INFO), gradient_checkpointing=False,
+                include_num_input_tokens_seen="non_padding")
             trainer_class = _sft_trainer_class(swappable_names(tokenizer), ws.name_loss_weight)
             trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                    callbacks=[_ProgressLog()])
+                                    callbacks=[_ProgressLog(sum(len(e.input_ids) for e in passes))])
             result = trainer.train()
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         finally:
@@ -219,8 +229,10 @@ def describe_warm_start(path: str | os.PathLike) -> dict[str, Any]:
 def _shape(ws: WarmStartConfig) -> dict[str, Any]:
     """The warm-start settings that decide the weights (never the SFT thread count: 1 and 2 threads gave
     bit-identical weights on the tiny model). `eval_judges` appears only when on, with a fingerprint of what its
-    traces are made of, so models built before the option existed keep their cache keys."""
-    shape = ws.model_dump(mode="json", exclude={"threads", "enabled", "eval_judges"})
+    traces are made of, and `solver_answer_facts` only when set, so models built before the options existed keep
+    their cache keys."""
+    shape = ws.model_dump(mode="json", exclude={"threads", "enabled", "eval_judges"} | (
+        {"solver_answer_facts"} if ws.solver_answer_facts is None else set()))
     if ws.eval_judges:
         shape["eval_judges"] = eval_judge_teacher.fingerprint()
     return shape
