@@ -294,6 +294,8 @@ def cmd_check_compare(args) -> int:
     from scope_lib.evaluation.learning_check import run_check
 
     params = _torch_params(args, models=True)
+    if args.accept_untrusted_judge:
+        params.learning_check.accept_untrusted_judge = True
     check = run_check(params, args.after, before=args.before, control=args.control, metric=args.metric)
     print(f"{'role':<8} {'checkpoint':<28} {'tasks':>5} {'score':>6} {'success':>8} {'gain':>7}  95% CI")
     for row in check.table():
@@ -302,6 +304,9 @@ def cmd_check_compare(args) -> int:
         print(f"{row['role']:<8} {row['checkpoint']:<28} {row['tasks']:>5} {row['mean rubric score']:>6.3f} "
               f"{row['success rate']:>8.3f} {'' if gain is None else f'{gain:+.3f}':>7}  "
               f"{'' if interval is None else f'[{interval[0]:+.3f}, {interval[1]:+.3f}]'}")
+    if check.held_out.grader is not None:
+        g = check.held_out.grader
+        print(f"judge: the frozen grader's calibration probe: {g.numbers()} -> {'trusted' if g.trusted else 'UNTRUSTED'}")
     print(check.verdict.reason)
     print(f"written: {params.run_dir / 'learning_check' / f'{check.trained.after}-vs-{check.trained.before}.json'}")
     return 0
@@ -423,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the same checkpoint of a run trained with -o grpo.reward_control=shuffled")
     compare.add_argument("--metric", choices=["score", "success"], default="score",
                          help="per-task mean rubric score (default) or success rate")
+    compare.add_argument("--accept-untrusted-judge", action="store_true",
+                         help="call a gain learned even when the Judge's grader failed its calibration probe "
+                         "(params: learning_check.accept_untrusted_judge)")
     compare.set_defaults(func=cmd_check_compare)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)

@@ -667,6 +667,10 @@ class LearningCheckConfig(Section):
                                    "interval of a paired difference.")
     seed: int = Field(0, description="Seed of the evaluation rollouts (the same for every checkpoint: paired "
                       "samples; not the pre-screen's) and of the bootstrap.")
+    accept_untrusted_judge: bool = Field(
+        False, description="Call a gain learned even when the frozen Judge's grader failed its calibration probe "
+        "(judge.calibration's thresholds; the probe is stored beside the held-out set). Off: such a gain is 'not "
+        "shown'; either way the verdict names the probe's numbers.")
 
 
 class RunConfig(Section):

@@ -199,10 +199,36 @@ def test_a_planted_signal_is_found_and_only_above_its_control_it_is_learning(bui
     assert verdict.learned and verdict.meets_target and "learned:" in verdict.reason
     # a control that gained as much is drift, whatever the interval
     assert not learning_verdict(comparison, comparison).learned
+    # the held-out set carries its grader's probe: the scripted grader reads, so the verdict stands
+    assert held_out.grader is not None and held_out.grader.trusted and held_out.grader.n_items == 24
+    probed = learning_verdict(comparison, control, held_out.grader)
+    assert probed.learned and probed.judge_trusted is True and "separation" in probed.judge
     # the stored evaluation is read back without any model call
     calls = c.engine.calls
     assert evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c,
                                progress=False).engine_calls == 0 and c.engine.calls == calls
+
+
+@pytest.mark.parametrize("grader", ["always yes", "garbage"])
+def test_a_gain_scored_by_an_untrusted_grader_is_not_called_learned(grader, built, params, passages, tiny_tokenizer):
+    """The same planted gain, beside the same control, scored by a grader that fails its probe (one that says yes
+    to everything, one that replies garbage): "not shown" naming the probe, unless the untrusted judge is accepted."""
+    from scope_lib.evaluation.learning_check import grader_probe
+
+    held_out, c, *_ = built
+    m0 = evaluate_checkpoint(params, held_out, policy("base", c.engine, None), c, progress=False)
+    trained = evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c, progress=False)
+    drift = evaluate_checkpoint(params, held_out, policy("control", c.engine, None), c, seed=3, progress=False)
+    comparison, control = (compare_evaluations(m0, x, n_samples=1000, seed=0) for x in (trained, drift))
+    reply = "<think>skip</think>\n<score>1</score>" if grader == "always yes" else "I would rather not say."
+    bad = ScriptedEngine(tiny_tokenizer, DIALECT, override=lambda role, context: reply if role == "grader" else None)
+    probe = grader_probe(params, CheckComponents(bad, Judge(bad, params.judge, seed=1), None, DIALECT, passages))
+    assert not probe.trusted and bad.batch_sizes[0] == 24
+    verdict = learning_verdict(comparison, control, probe)
+    assert not verdict.learned and verdict.reason.startswith("not shown:") and "calibration probe" in verdict.reason
+    assert verdict.judge_trusted is False and verdict.to_record()["judge"] == probe.numbers()
+    accepted = learning_verdict(comparison, control, probe, accept_untrusted_judge=True)
+    assert accepted.learned and "accepted" in accepted.reason
 
 
 def test_paired_bootstrap_is_seeded_and_needs_two_tasks():
@@ -257,9 +283,10 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     args = ["learning-check", "compare", str(tmp_path / "p.yaml"), "--after", "iter_01/solver"]
     assert main(args + ["--control", str(control)]) == 0
     out = capsys.readouterr().out
-    assert "learned: the gain" in out and "control-iter_01-solver" in out
+    assert "learned: the gain" in out and "control-iter_01-solver" in out and "-> trusted" in out
     written = json.loads((run.run_dir / "learning_check" / "iter_01-solver-vs-base.json").read_text())
     assert written["verdict"]["learned"] and written["trained"]["ci95"][0] > 0 and written["control"]["tasks"] == 10
+    assert written["grader_calibration"]["trusted"] and written["verdict"]["judge_trusted"]
     assert opened == [["base", "iter_01-solver", "control-iter_01-solver"]]
     calls = scripted.calls
     assert main(args + ["--control", str(control)]) == 0                      # everything stored: nothing opened

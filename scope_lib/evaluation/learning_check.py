@@ -24,6 +24,11 @@ own: rewards that carry no information move metrics too ("Spurious Rewards", arX
    when the interval's lower bound is above 0 AND its gain is above the shuffled-reward control's
    (`grpo.reward_control: shuffled`: the same steps on permuted rewards); gain / control gain is reported (the
    issue's target: at least 2).
+4. **The Judge that scores it** (`grader_probe`): a check is only as good as its grader. Once per held-out set the
+   frozen Judge's per-rubric grader answers the calibration probe (`selfplay.calibration.probe_grader`: a rubric's
+   fact stated, removed or swapped in sentences of the corpus), stored beside the set. A gain scored by a grader
+   that fails it (separation or invalid rate past `judge.calibration`'s thresholds) is not called learned unless
+   `learning_check.accept_untrusted_judge` says so; the verdict names the probe's numbers either way.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
 from scope_lib.retrieval.corpus import held_out_range, read_corpus
 from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
 from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_json
-from scope_lib.selfplay.judge import Judge, make_judge
+from scope_lib.selfplay.calibration import Calibration, probe_grader
+from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.loop import finished_chunks, training_documents
 from scope_lib.selfplay.rollout import (
     challenger_trajectories,
@@ -91,6 +97,7 @@ class HeldOutSet:
     key: str
     tasks: list[TaskEvaluation]
     summary: dict[str, Any]
+    grader: Calibration | None = None  # the frozen Judge's grader probe (`grader_probe`), None until it ran
 
     @property
     def window(self) -> tuple[float, float]:
@@ -255,7 +262,30 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
                 elif callable(components):
                     components = components()
                 stage.mark_done(_build(params, stage, components, key, progress))
+    if not (folder / GRADER_PROBE).is_file():
+        with FileLock(str(folder / ".lock")):
+            if not (folder / GRADER_PROBE).is_file():
+                if components is None:
+                    components = open_components(params)
+                elif callable(components):
+                    components = components()
+                atomic_write_json(folder / GRADER_PROBE, grader_probe(params, components).to_record())
     return load_held_out(folder, params)
+
+
+#: The frozen Judge's grader probe, stored beside the held-out set it scores.
+GRADER_PROBE = "grader_calibration.json"
+
+
+def grader_probe(params: Params, c: CheckComponents) -> Calibration:
+    """The calibration probe of the frozen Judge's per-rubric grader (module docstring, 4): one batched grading call
+    on fact pairs from the corpus, seeded by the document permutation's seed."""
+    passages = c.passages
+    if passages is None:
+        r = params.retrieval
+        passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+    return probe_grader(c.judge, passages, params.judge.calibration, model=judge_models(params)["grading"],
+                        seed=params.selfplay.seed)
 
 
 def load_held_out(folder: str | Path, params: Params) -> HeldOutSet:
@@ -267,7 +297,11 @@ def load_held_out(folder: str | Path, params: Params) -> HeldOutSet:
         raise RunError(f"{folder} holds no finished held-out set (no DONE): build it with `scope learning-check "
                        "build PARAMS`")
     tasks = [TaskEvaluation.from_record(rec) for rec in stage.records("tasks")][:params.learning_check.tasks]
-    return HeldOutSet(Path(folder), summary["key"], tasks, {**summary, "built": summary["tasks"], "tasks": len(tasks)})
+    probe = Path(folder) / GRADER_PROBE
+    grader = Calibration.from_record(read_json(probe, "delete it; the next check probes the grader again")) \
+        if probe.is_file() else None
+    return HeldOutSet(Path(folder), summary["key"], tasks, {**summary, "built": summary["tasks"], "tasks": len(tasks)},
+                      grader)
 
 
 def success_rate(scores: list[float], threshold: float) -> float:
@@ -583,6 +617,8 @@ class Verdict:
     control_gain: float | None = None
     control_ci95: tuple[float, float] | None = None
     ratio: float | None = None  # gain / control gain (inf when the control did not gain; None without a control)
+    judge_trusted: bool | None = None  # the grader probe's verdict (None: not probed)
+    judge: str | None = None  # the probe's numbers in one phrase
 
     @property
     def meets_target(self) -> bool:
@@ -593,12 +629,33 @@ class Verdict:
         ratio = self.ratio if self.ratio is None or math.isfinite(self.ratio) else "inf"
         return {"learned": self.learned, "meets_target": self.meets_target, "target_ratio": TARGET_RATIO,
                 "reason": self.reason, "gain": self.gain, "ci95": list(self.ci95), "control_gain": self.control_gain,
-                "control_ci95": list(self.control_ci95) if self.control_ci95 else None, "ratio": ratio}
+                "control_ci95": list(self.control_ci95) if self.control_ci95 else None, "ratio": ratio,
+                "judge_trusted": self.judge_trusted, "judge": self.judge}
 
 
-def learning_verdict(trained: Comparison, control: Comparison | None = None) -> Verdict:
+def learning_verdict(trained: Comparison, control: Comparison | None = None, grader: Calibration | None = None,
+                     accept_untrusted_judge: bool = False) -> Verdict:
     """The verdict rule: learned only when the trained comparison's 95% lower bound is above 0 AND its gain is
-    above the shuffled-reward control's gain (over the same `before`)."""
+    above the shuffled-reward control's gain (over the same `before`) AND the grader that scored both passed its
+    calibration probe (`grader`; an untrusted one only with `accept_untrusted_judge`, and the reason says so)."""
+    verdict = _gain_verdict(trained, control)
+    if grader is None:
+        return verdict
+    verdict.judge_trusted, verdict.judge = grader.trusted, grader.numbers()
+    if grader.trusted:
+        return verdict
+    why = f"the frozen Judge's grader failed its calibration probe ({'; '.join(grader.reasons)}: {grader.numbers()})"
+    if verdict.learned and not accept_untrusted_judge:
+        verdict.learned = False
+        verdict.reason = (f"not shown: {verdict.reason.removeprefix('learned: ')}, but {why}, so its scores may not "
+                          "follow the rubrics; fix the Judge (docs/evaluation.md, Judge calibration) or accept it "
+                          "with learning_check.accept_untrusted_judge (--accept-untrusted-judge)")
+    else:
+        verdict.reason += f" [{why}{', accepted' if verdict.learned else ''}]"
+    return verdict
+
+
+def _gain_verdict(trained: Comparison, control: Comparison | None) -> Verdict:
     lo, hi = trained.ci95
     gain = trained.gain
     ratio = None
@@ -651,7 +708,9 @@ class LearningCheck:
         return rows
 
     def to_record(self) -> dict[str, Any]:
+        grader = self.held_out.grader
         return {"held_out": {"path": str(self.held_out.path), **self.held_out.summary},
+                "grader_calibration": grader.summary() if grader is not None else None,
                 "evaluations": {role: {"checkpoint": ev.checkpoint, "spec": ev.spec, "fingerprint": ev.fingerprint,
                                        "seed": ev.seed, "mean_score": ev.mean_score, "success_rate": ev.success_rate,
                                        "success_threshold": ev.success_threshold}
@@ -771,7 +830,8 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
 
     trained = comparison("after")
     controlled = comparison("control") if "control" in evaluations else None
-    check = LearningCheck(held_out, evaluations, trained, controlled, learning_verdict(trained, controlled))
+    verdict = learning_verdict(trained, controlled, held_out.grader, lc.accept_untrusted_judge)
+    check = LearningCheck(held_out, evaluations, trained, controlled, verdict)
     log.info("learning check of %s against %s: %s", trained.after, trained.before, check.verdict.reason)
     if write:
         atomic_write_json(params.run_dir / "learning_check" / f"{trained.after}-vs-{trained.before}.json",
