@@ -338,3 +338,22 @@ def test_asking_for_more_tasks_extends_the_set(built, params, retriever, passage
     fresh = held_out_set(more, fresh_with, model_id="scripted", root=tmp_path, progress=False)
     assert [t.to_record() for t in fresh.tasks] == [t.to_record() for t in grown.tasks]   # as if built at once
     assert 0 < grown_with.engine.calls < fresh_with.engine.calls                       # only the new batches ran
+
+
+def test_the_smollm_recipe_and_its_control_share_one_held_out_set():
+    """params/smollm-learn.yaml (`make learning-smollm`): the trained run, its shuffled-reward control and another
+    seed are checked on the same held-out tasks (one cached set, one M0 evaluation), and training leaves them
+    their documents."""
+    from pathlib import Path
+
+    from scope_lib.config import load_params
+    from scope_lib.evaluation.learning_check import held_out_fingerprint
+
+    path = Path(__file__).resolve().parents[1] / "params" / "smollm-learn.yaml"
+    trained = load_params(path)
+    keys = [held_out_fingerprint(load_params(path, o), "m0", "corpus")
+            for o in ({}, {"grpo.reward_control": "shuffled"}, {"grpo.seed": 43})]
+    assert keys[0] == keys[1] == keys[2]
+    assert trained.learning_check.held_out_documents >= 400 and trained.learning_check.tasks >= 48
+    assert trained.grpo.reward_control == "none" and trained.solver.temperature >= 1.0
+    assert training_documents(trained, 1000) == 1000 - trained.learning_check.held_out_documents
