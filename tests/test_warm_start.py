@@ -447,6 +447,6 @@ def test_eval_judges_option_keeps_old_cache_keys_and_needs_its_budget(shared_dat
     with pytest.raises(ValueError, match=r"eval_judges.*evaluation.short_form_judge.max_tokens is 16"):
         warm_start.prepare(smoke, cache_dir=tmp_path)
     smollm = load_params(REPO / "params" / "smollm.yaml", {"run.data_dir": str(shared_data)})
-    assert not smollm.model.warm_start.eval_judges        # off until the lead measures it on SmolLM2
+    assert smollm.model.warm_start.eval_judges            # on for SmolLM2, measured (README, "Its judges")
     assert min(smollm.evaluation.short_form_judge.max_tokens,
                smollm.evaluation.open_ended_judge.max_tokens) >= T.EVAL_JUDGE_MAX_TOKENS
