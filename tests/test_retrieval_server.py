@@ -365,15 +365,17 @@ def test_errors_echo_a_short_prefix_and_bodies_have_a_size_limit(server):
 def test_health_reports_a_stalled_batcher():
     import threading
 
-    release = threading.Event()
+    release, armed = threading.Event(), threading.Event()
 
     class Stuck:
         def search(self, queries, k=None):
-            release.wait(30)
+            if armed.is_set():  # the server's warm-up search passes; the client's sticks
+                release.wait(30)
             return [[] for _ in queries]
 
     with background_server(Stuck(), stall_s=0.3) as url:
         assert httpx.get(f"{url}/health").status_code == 200
+        armed.set()
         thread = threading.Thread(target=httpx.post, args=(f"{url}/retrieve",), kwargs={
             "json": {"queries": ["a"]}, "timeout": 30})
         thread.start()
