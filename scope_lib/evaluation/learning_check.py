@@ -277,13 +277,18 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
 GRADER_PROBE = "grader_calibration.json"
 
 
+def corpus_passages(params: Params, c: CheckComponents) -> list:
+    """The corpus the check reads: the components' passages, else the run's corpus file."""
+    if c.passages is not None:
+        return c.passages
+    r = params.retrieval
+    return read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+
+
 def grader_probe(params: Params, c: CheckComponents) -> Calibration:
     """The calibration probe of the frozen Judge's per-rubric grader (module docstring, 4): one batched grading call
     on fact pairs from the corpus, seeded by the document permutation's seed."""
-    passages = c.passages
-    if passages is None:
-        r = params.retrieval
-        passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+    passages = corpus_passages(params, c)
     return probe_grader(c.judge, passages, params.judge.calibration, model=judge_models(params)["grading"],
                         seed=params.selfplay.seed)
 
@@ -316,10 +321,7 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
     from tqdm.auto import tqdm
 
     lc, sp = params.learning_check, params.selfplay
-    passages = c.passages
-    if passages is None:
-        r = params.retrieval
-        passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+    passages = corpus_passages(params, c)
     training_documents(params, len(passages))  # refuses a reservation as large as the corpus
     candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
     finished = finished_chunks(candidates, chunks, tasks)
