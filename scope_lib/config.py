@@ -95,6 +95,13 @@ class WarmStartConfig(Section):
         "(`JudgeTeacher.grade`). Whether C is held becomes a copy (what followed C's last mention) that a pretrained "
         "model makes by induction; SmolLM2 did not learn the bare verdict (docs/smoke-model.md). Needs "
         "judge.grading_max_tokens >= 96. Off: the bare <score> (the tiny model).")
+    sentence_grades: bool = Field(
+        False, description="Also grade answers made of the source document's own sentences (a sentence stating a "
+        "fact beside another, the other alone, the fact swapped for another document's) against rubrics in five "
+        "wordings (`teacher.sentence_grades`; with eval_judges, the criterion grader's too). Without them the "
+        "graders only see the teacher's 'X is linked to A and B.' answers and one wording, and SmolLM2's failed "
+        "their calibration probes on real sentences (issue 33, docs/evaluation.md). The probes then leave out "
+        "the teacher's documents.")
     solver_guesses: bool = Field(
         True, description="The teacher's Solver answers without searching, or from no retrieved fact, in about a "
         "third of its traces ('<subject> is a well-known subject.'): the quality mix that gives the tiny model's "

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -100,6 +101,25 @@ def test_teacher_examples_parse_role_by_role(traces):
         assert zeros > 0 and ones > 0, stage
 
 
+def test_sentence_grades_reach_the_graders_examples(wiki_sample, warm_tokenizer_dir, tmp_path):
+    """With `sentence_grades` the teacher's grading examples hold answers quoted from the sources, in several
+    rubric wordings, each reply the verdict of whether the answer holds the rubric's fact."""
+    from scope_lib.selfplay.calibration import mentions
+
+    tokenizer = AutoTokenizer.from_pretrained(warm_tokenizer_dir)
+    cfg = WarmStartConfig(enabled=True, documents=12, sentence_grades=True)
+    examples, _stats = teacher.teacher_examples(tokenizer, wiki_sample, cfg, tmp_path / "ix")
+    quoted = []
+    for example in (e for e in examples if e.role == "grading"):
+        text = tokenizer.decode(example.input_ids)
+        rubric = text.split("<rubric>", 1)[1].split("</rubric>", 1)[0].strip()
+        if rubric.split(" ", 1)[0] in ("States", "Names", "Gives", "Includes"):
+            answer = text.split("<response>", 1)[1].split("</response>", 1)[0].strip()
+            quoted.append(int(mentions(answer, teacher.rubric_fact(rubric))))
+            assert parsing.parse_score(_spans(example, tokenizer)[-1]) == quoted[-1]
+    assert len(quoted) >= 8 and 0 < sum(quoted) < len(quoted)
+
+
 def test_teacher_quality_is_mixed(traces):
     tokenizer, _cfg, examples, _stats = traces
     dialect = get_dialect("qwen2.5")
@@ -152,6 +172,54 @@ def test_split_holds_out_a_seeded_share(wiki_sample):
     assert len(held) == 200 and len(pool) == 800
     assert teacher.held_out_documents(passages, WarmStartConfig()) == held
     assert teacher.held_out_documents(passages, WarmStartConfig(seed=1)) != held
+
+
+def test_calibration_probes_leave_out_the_teachers_documents(shared_data, tmp_path):
+    """The grader probes read documents the teacher never quoted (its sentence grades would make them recall)."""
+    from scope_lib.selfplay.calibration import unseen_by_teacher
+
+    params = load_params(REPO / "params" / "smoke.yaml", {"run.data_dir": str(shared_data),
+                                                          "run.runs_dir": str(tmp_path)})
+    passages = read_corpus(params.corpus_path).passages
+    seen = {p.id for p in teacher.teacher_documents(passages, params.model.warm_start)}
+    assert len(seen) == params.model.warm_start.documents
+    unseen = unseen_by_teacher(params, passages)
+    assert len(unseen) == len(passages) - len(seen) and not seen & {p.id for p in unseen}
+    cold = load_params(REPO / "params" / "smoke.yaml", {"run.data_dir": str(shared_data), "run.runs_dir": str(tmp_path),
+                                                        "model.warm_start.enabled": False})
+    assert unseen_by_teacher(cold, passages) == passages
+
+
+def test_sentence_grades_quote_the_source_and_say_both(wiki_sample, tiny_tokenizer):
+    """`model.warm_start.sentence_grades`: per task, answers made of its source's sentences (the fact stated in two
+    orders, removed, swapped), graded against a rubric in one of several wordings, never the probe's."""
+    from types import SimpleNamespace
+
+    from scope_lib.selfplay.calibration import FACT_RUBRIC, mentions
+
+    documents = read_corpus(wiki_sample).passages[:60]
+    prompts = {f"p{k}": SimpleNamespace(document_id=d.id) for k, d in enumerate(documents)}
+    passed = [SimpleNamespace(meta={"prompt_id": k}, task=f"Task {k}") for k in prompts]
+    judge = teacher.JudgeTeacher(teacher.Names(tiny_tokenizer, max_tokens=6), reasoning=True)
+    grades = teacher.sentence_grades(passed, prompts, documents, judge, teacher.REASONED_GRADING_MAX_TOKENS,
+                                     random.Random(0), seed=0)
+    by_task: dict[str, list] = {}
+    for task, answer, rubric in grades:
+        by_task.setdefault(task, []).append((answer, rubric))
+    assert len(by_task) >= 30
+    wordings = set()
+    for task, graded in by_task.items():
+        assert len(graded) == 4 and len({r for _a, r in graded}) == 1
+        rubric = graded[0][1]
+        fact = teacher.rubric_fact(rubric)
+        wording = rubric.replace(fact, "{fact}")
+        assert wording in teacher.SENTENCE_RUBRICS and wording != FACT_RUBRIC
+        wordings.add(wording)
+        verdicts = [judge.grade(a, r)[0] for a, r in graded]
+        assert verdicts == [1, 1, 0, 0] and verdicts == [int(mentions(a, fact)) for a, _r in graded]
+        source = documents[int(task.split("p")[-1])].text
+        assert all(sentence in source for sentence in graded[2][0].split(". ") if sentence)   # the context alone
+    assert len(wordings) >= 4
 
 
 # -- the warm start: deterministic, cached, keyed ------------------------------------------------------------
@@ -403,8 +471,12 @@ def test_eval_judge_traces_parse_with_the_real_parsers_and_say_both(wiki_sample,
     from scope_lib.smoke import eval_judge_teacher as T
 
     documents = read_corpus(wiki_sample).passages[:40]
-    traces = T.eval_judge_traces(tiny_tokenizer, documents, WarmStartConfig(fact_max_tokens=6, seed=1))
-    assert traces == T.eval_judge_traces(tiny_tokenizer, documents, WarmStartConfig(fact_max_tokens=6, seed=1))
+    cfg = WarmStartConfig(fact_max_tokens=6, seed=1, sentence_grades=True)
+    traces = T.eval_judge_traces(tiny_tokenizer, documents, cfg)
+    assert traces == T.eval_judge_traces(tiny_tokenizer, documents, cfg)
+    plain = T.eval_judge_traces(tiny_tokenizer, documents, cfg.model_copy(update={"sentence_grades": False}))
+    assert len([t for t in traces if t.role == "criterion_grader"]) >= \
+        len([t for t in plain if t.role == "criterion_grader"]) + 30   # the source's own sentences, graded
     for role in T.ROLES:
         verdicts = [t.verdict for t in traces if t.role == role]
         assert len(verdicts) >= 40 and 0.4 <= sum(verdicts) / len(verdicts) <= 0.6, role   # both, about evenly
@@ -421,7 +493,9 @@ def test_eval_judge_traces_parse_with_the_real_parsers_and_say_both(wiki_sample,
         else:                      # criterion_grader: the reply against one "Mentions X." criterion
             assert parse_criteria_met(t.reply) is bool(t.verdict)
             reply = prompt.split("<reply>\n", 1)[1].split("\n</reply>", 1)[0]
-            fact = re.search(r"\nMentions (.+)\.\n</criterion>", prompt).group(1)
+            criterion = prompt.split("\n</criterion>", 1)[0].rsplit("\n", 1)[-1]
+            fact = teacher.rubric_fact(criterion)
+            assert criterion.replace(fact, "{fact}") in teacher.SENTENCE_RUBRICS, criterion
             assert t.verdict == int(mentions(reply, fact)), (reply, fact)
             assert (f"asks for {fact} (named)" in t.reply) == bool(t.verdict)
         # the tokens: the prompt exactly as the local judge encodes it, then the reply and the end of the turn
@@ -441,6 +515,8 @@ def test_eval_judges_option_keeps_old_cache_keys_and_needs_its_budget(shared_dat
     assert "eval_judges" not in warm_start._shape(off)          # models built before the option keep their keys
     assert warm_start._shape(on)["eval_judges"] == T.fingerprint()
     assert {k: v for k, v in warm_start._shape(on).items() if k != "eval_judges"} == warm_start._shape(off)
+    assert "sentence_grades" not in warm_start._shape(off)
+    assert warm_start._shape(WarmStartConfig(sentence_grades=True))["sentence_grades"] is True
     assert set(T.ROLES) <= set(WarmStartConfig.model_fields["role_repeats"].annotation.__args__[0].__args__)
     smoke = load_params(REPO / "params" / "smoke.yaml", {"run.data_dir": str(shared_data), "run.runs_dir": str(tmp_path),
                                                          "model.warm_start.eval_judges": True})

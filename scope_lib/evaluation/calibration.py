@@ -42,6 +42,7 @@ from scope_lib.selfplay.calibration import (
     fact_pairs,
     fact_responses,
     pairs_needed,
+    unseen_by_teacher,
 )
 
 log = logging.getLogger(__name__)
@@ -268,7 +269,7 @@ def calibrate_judges(params: Params, judge: BenchmarkJudge, uses: dict[str, Judg
             cases = pairwise_probe(served, cfg.items, seed, evaluated)
             note = "no question with a baseline answer of 30 words or more"
         else:
-            cases = criterion_probe(passages or [], cfg.items, seed, use.role)
+            cases = criterion_probe(unseen_by_teacher(params, passages or []), cfg.items, seed, use.role)
             note = corpus_note or "no fact pair in the corpus"
         results[jid] = probe_judge(judge, use, cases, cfg, e.judge_parse_retries, note)
     return results

@@ -52,7 +52,7 @@ from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
 from scope_lib.retrieval.corpus import held_out_range, read_corpus
 from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
 from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_json
-from scope_lib.selfplay.calibration import Calibration, probe_grader
+from scope_lib.selfplay.calibration import Calibration, probe_grader, unseen_by_teacher
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.loop import finished_chunks, training_documents
 from scope_lib.selfplay.rollout import (
@@ -288,7 +288,7 @@ def corpus_passages(params: Params, c: CheckComponents) -> list:
 def grader_probe(params: Params, c: CheckComponents) -> Calibration:
     """The calibration probe of the frozen Judge's per-rubric grader (module docstring, 4): one batched grading call
     on fact pairs from the corpus, seeded by the document permutation's seed."""
-    passages = corpus_passages(params, c)
+    passages = unseen_by_teacher(params, corpus_passages(params, c))
     return probe_grader(c.judge, passages, params.judge.calibration, model=judge_models(params)["grading"],
                         seed=params.selfplay.seed)
 

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from scope_lib.config import CalibrationConfig
+from scope_lib.config import CalibrationConfig, Params
 from scope_lib.protocol import prompts
-from scope_lib.retrieval.corpus import Passage
+from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_document_ids
 from scope_lib.selfplay.judge import Judge, JudgeStats
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,18 @@ def pairs_needed(items: int, per_pair: int = 4) -> int:
 
 
 # -- the self-Judge's per-rubric grader --------------------------------------------------------------------
+
+
+def unseen_by_teacher(params: Params, passages: Sequence[Passage]) -> list[Passage]:
+    """`passages` less the documents the warm start's teacher wrote traces from, when M0 is warm-started
+    (`model.warm_start`): its grading traces quote those documents' sentences (`sentence_grades`), so a probe on
+    them would measure recall, not grading. The split is recomputed from the run's whole corpus file."""
+    ws = params.model.warm_start
+    if not ws.enabled or not passages:
+        return list(passages)
+    corpus = read_corpus(params.corpus_path, on_error="skip").passages
+    seen = teacher_document_ids(corpus, ws.documents, ws.held_out_share, ws.seed)
+    return [p for p in passages if p.id not in seen]
 
 
 def probe_grader(judge: Judge, passages: Sequence[Passage], cfg: CalibrationConfig, *, model: str, seed: int = 0

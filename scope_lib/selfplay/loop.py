@@ -35,7 +35,7 @@ from scope_lib.retrieval.corpus import document_range, read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import Stage, iteration_dir, write_manifest
 from scope_lib.selfplay import health, ranks
-from scope_lib.selfplay.calibration import Calibration, probe_grader
+from scope_lib.selfplay.calibration import Calibration, probe_grader, unseen_by_teacher
 from scope_lib.selfplay.checkpoints import latest_checkpoint
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
@@ -143,7 +143,7 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
     calibration = None
     if ranks.is_main() and params.judge.calibration.enabled:  # the grader is probed before its grades count
-        calibration = probe_grader(judge, passages, params.judge.calibration, model=judge_models(params)["grading"],
+        calibration = probe_grader(judge, unseen_by_teacher(params, passages), params.judge.calibration, model=judge_models(params)["grading"],
                                    seed=params.selfplay.seed)
     if ranks.is_main():
         _write_manifest(params, judge, passages, fingerprint, calibration)

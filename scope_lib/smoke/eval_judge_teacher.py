@@ -34,7 +34,8 @@ from scope_lib.evaluation import scorers as S
 from scope_lib.evaluation.benchmarks import Item
 from scope_lib.protocol import prompts
 from scope_lib.retrieval.corpus import Passage
-from scope_lib.smoke.teacher import Example, Names, TeacherError, mentions, title_words
+from scope_lib.selfplay.calibration import fact_pairs, fact_responses
+from scope_lib.smoke.teacher import SENTENCE_RUBRICS, Example, Names, TeacherError, mentions, title_words
 
 #: The two evaluation judge roles the option teaches (keys of `model.warm_start.role_repeats`).
 ROLES = ("qa_judge", "criterion_grader")
@@ -146,6 +147,23 @@ def eval_judge_traces(tokenizer, documents: Sequence[Passage], cfg: WarmStartCon
             answer = f"{subject} is linked to {_join(held)}."
             unit = S.criterion_unit("c0", conversation, answer, criterion, points)
             _add(traces, tokenizer, "criterion_grader", unit.messages, *criterion_reply(names, answer, fact))
+    if cfg.sentence_grades:
+        traces += criterion_sentence_traces(tokenizer, names, documents, cfg.seed)
+    return traces
+
+
+def criterion_sentence_traces(tokenizer, names: Names, documents: Sequence[Passage], seed: int) -> list[JudgeTrace]:
+    """Criterion-grader traces on answers made of a document's own sentences, as `teacher.sentence_grades` writes
+    them for the self-Judge (`model.warm_start.sentence_grades`): the fact stated (two orders), its sentence
+    removed, the fact swapped; the criterion in one of `teacher.SENTENCE_RUBRICS`' wordings."""
+    traces: list[JudgeTrace] = []
+    for pair in fact_pairs(documents, len(documents), seed):
+        rng = random.Random(f"{seed}/eval-judges/sentences/{pair.passage_id}")
+        conversation = f"user: {rng.choice(_CONVERSATIONS).format(subject=pair.subject)}"
+        criterion, points = rng.choice(SENTENCE_RUBRICS).format(fact=pair.fact), rng.choice([1, 2, 3, 5])
+        for _kind, answer, _met in fact_responses(pair):
+            unit = S.criterion_unit("c0", conversation, answer, criterion, points)
+            _add(traces, tokenizer, "criterion_grader", unit.messages, *criterion_reply(names, answer, pair.fact))
     return traces
 
 

@@ -43,8 +43,9 @@ from scope_lib.models.engine import Completion, Sampling
 from scope_lib.protocol import prompts
 from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
 from scope_lib.retrieval.api import Retriever
-from scope_lib.retrieval.corpus import Passage, permutation_slice, read_corpus
+from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_split
 from scope_lib.retrieval.index import build_or_open_index
+from scope_lib.selfplay.calibration import fact_pairs, fact_responses
 from scope_lib.selfplay.judge import ANSWERABILITY, make_judge
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
@@ -123,11 +124,14 @@ class TeacherStats:
 
 def split_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> tuple[list[Passage], list[Passage]]:
     """(teacher pool, held-out documents): a permutation of the corpus seeded by `cfg.seed`; its last
-    `held_out_share` are held out. The teacher reads only the pool; tests measure parse rates on the rest."""
-    order = permutation_slice(len(passages), len(passages), cfg.seed, 0)
-    n_held = int(round(len(passages) * cfg.held_out_share))
-    cut = len(passages) - n_held
-    return [passages[i] for i in order[:cut]], [passages[i] for i in order[cut:]]
+    `held_out_share` are held out (`retrieval.corpus.teacher_split`). The teacher reads only the first
+    `cfg.documents` of the pool (`teacher_documents`); tests measure parse rates on the held-out ones."""
+    return teacher_split(passages, cfg.held_out_share, cfg.seed)
+
+
+def teacher_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> list[Passage]:
+    """The documents the teacher writes every trace from (`retrieval.corpus.teacher_document_ids`)."""
+    return split_documents(passages, cfg)[0][:cfg.documents]
 
 
 def held_out_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> list[Passage]:
@@ -496,9 +500,15 @@ _PRIORITIES = {3: ["critical", "important", "bonus"], 4: ["critical", "important
                5: ["critical", "critical", "important", "important", "bonus"]}
 
 
+#: Rubric wordings of the sentence grades (`model.warm_start.sentence_grades`): several, so that the grader reads
+#: the fact rather than one phrase. The calibration probes' wording ("Identifies X by name.",
+#: `selfplay.calibration.FACT_RUBRIC`) is deliberately not among them.
+SENTENCE_RUBRICS = ("Mentions {fact}.", "States {fact}.", "Names {fact}.", "Gives {fact}.", "Includes {fact}.")
+
+
 def rubric_fact(rubric: str) -> str:
     """The fact a teacher rubric names (the text after its verb phrase, without the final period)."""
-    for patterns in _RUBRIC_VERBS.values():
+    for patterns in [*_RUBRIC_VERBS.values(), SENTENCE_RUBRICS]:
         for pattern in patterns:
             head = pattern.split("{fact}")[0]
             if rubric.startswith(head) and rubric.endswith("."):
@@ -750,6 +760,9 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
             triples.append((t.task, answer, r))
             if cfg.contrast_grades:   # the same answer against the task's other rubrics: kept whatever the verdict
                 contrasts += [(t.task, answer, x) for x in rubrics if x != r]
+    if cfg.sentence_grades:   # answers made of the source's own sentences: stated, removed or swapped facts
+        contrasts += sentence_grades(passed, by_id, documents, judge_teacher, params.judge.grading_max_tokens, rng,
+                                     cfg.seed)
     grade_replies, kept = [], []
     for i, triple in enumerate(triples + contrasts):
         verdict, reply = judge_teacher.grade(triple[1], triple[2])
@@ -765,17 +778,40 @@ def dialect_examples(tokenizer, dialect_name: str, documents: list[Passage], ret
     return examples
 
 
+def sentence_grades(passed: list[Trajectory], prompts_by_id: dict[str, ChallengerPrompt],
+                    documents: Sequence[Passage], judge_teacher: JudgeTeacher, max_tokens: int, rng: random.Random,
+                    seed: int) -> list[tuple[str, str, str]]:
+    """(task, answer, rubric) grades on answers made of the task's source sentences (`model.warm_start.
+    sentence_grades`): a sentence stating one of the source's facts beside another sentence (in both orders: met),
+    the other sentence alone (the fact's sentence removed: not met) and the fact swapped for another document's
+    fact of the same kind (not met); the rubric in one of SENTENCE_RUBRICS' wordings. Answers read like the
+    Solver's prose, not the teacher's lists, and met and not met come equally often. A grade whose reply would
+    not fit `max_tokens` is left out."""
+    sources = {prompts_by_id[t.meta["prompt_id"]].document_id for t in passed}
+    pairs = {p.passage_id: p for p in fact_pairs([d for d in documents if d.id in sources], len(sources), seed)}
+    out = []
+    for t in passed:
+        pair = pairs.get(prompts_by_id[t.meta["prompt_id"]].document_id)
+        if pair is None:
+            continue
+        rubric = rng.choice(SENTENCE_RUBRICS).format(fact=pair.fact)
+        for _kind, answer, _met in fact_responses(pair):
+            reply = judge_teacher.grade(answer, rubric)[1]
+            if len(judge_teacher.tokenizer.encode(reply, add_special_tokens=False)) <= max_tokens:
+                out.append((t.task, answer, rubric))
+    return out
+
+
 def teacher_examples(tokenizer, corpus_path: str | Path, cfg: WarmStartConfig, index_dir: str | Path
                      ) -> tuple[list[Example], TeacherStats]:
     """All SFT examples for the warm start: `cfg.documents` documents from the teacher's part of the corpus
     (split_documents), every role, every dialect in `cfg.dialects`. Deterministic for a seed."""
     stats = TeacherStats()
     corpus = read_corpus(corpus_path)
-    pool, _held = split_documents(corpus.passages, cfg)
-    if len(pool) < 4:
-        raise TeacherError(f"{corpus_path}: only {len(pool)} documents outside the held-out share; the teacher "
-                           "needs at least 4")
-    documents = pool[:cfg.documents]
+    documents = teacher_documents(corpus.passages, cfg)
+    if len(documents) < 4:
+        raise TeacherError(f"{corpus_path}: only {len(documents)} documents outside the held-out share; the "
+                           "teacher needs at least 4")
     stats.documents = len(documents)
     examples: list[Example] = []
     for dialect_name in cfg.dialects:

@@ -35,8 +35,8 @@ from scope_lib.smoke.teacher import (
     protocol_fingerprint,
     protocol_texts,
     sft_passes,
-    split_documents,
     swappable_names,
+    teacher_documents,
     teacher_examples,
 )
 
@@ -154,7 +154,7 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws:
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     examples, stats = teacher_examples(tokenizer, corpus_path, ws, index_dir)
     if ws.eval_judges:  # the evaluation judges' prompts, from the same documents (smoke.eval_judge_teacher)
-        documents = split_documents(read_corpus(corpus_path).passages, ws)[0][:ws.documents]
+        documents = teacher_documents(read_corpus(corpus_path).passages, ws)
         for trace in eval_judge_teacher.eval_judge_traces(tokenizer, documents, ws):
             examples.append(trace.example)
             stats.add(trace.example)
@@ -229,10 +229,11 @@ def describe_warm_start(path: str | os.PathLike) -> dict[str, Any]:
 def _shape(ws: WarmStartConfig) -> dict[str, Any]:
     """The warm-start settings that decide the weights (never the SFT thread count: 1 and 2 threads gave
     bit-identical weights on the tiny model). `eval_judges` appears only when on, with a fingerprint of what its
-    traces are made of, and `solver_answer_facts` only when set, so models built before the options existed keep
+    traces are made of, `sentence_grades` only when on and `solver_answer_facts` only when set, so models built before the options existed keep
     their cache keys."""
     shape = ws.model_dump(mode="json", exclude={"threads", "enabled", "eval_judges"} | (
-        {"solver_answer_facts"} if ws.solver_answer_facts is None else set()))
+        {"solver_answer_facts"} if ws.solver_answer_facts is None else set()) | (
+        set() if ws.sentence_grades else {"sentence_grades"}))
     if ws.eval_judges:
         shape["eval_judges"] = eval_judge_teacher.fingerprint()
     return shape
