@@ -21,7 +21,8 @@
 
 train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
 (bad parameters, a missing or damaged file, disk full, permissions, a locked run, a server down) ends in one
-line naming the file or endpoint and what to do; `scope --debug ...` shows the traceback.
+line naming the file or endpoint and what to do (exit 2); `scope --debug ...` shows the traceback. SIGTERM
+stops a command at the next safe point with one line saying how to resume (exit 143).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import errno
 import functools
 import json
 import logging
+import shlex
+import signal
 import sqlite3
 import sys
 
@@ -45,12 +48,17 @@ def _params(args):
     return load_params(args.params, args.override)
 
 
-def _torch_params(args, *, models: bool = False):
+def _torch_params(args, *, models: bool = False, corpus: bool = False):
     """Parameters for a command that runs torch (embedders, models): `engine.torch_threads` applied and, with
-    `models`, every model the loader cannot build itself prepared first (the smoke warm start)."""
+    `models`, every model the loader cannot build itself prepared first (the smoke warm start). `corpus`: the
+    corpus must hold a passage, checked before anything reads it (the warm start, the index build)."""
     from scope_lib.models.loading import apply_torch_threads
 
     params = _params(args)
+    if corpus:
+        from scope_lib.retrieval.corpus import require_passages
+
+        require_passages(params.corpus_path, params.retrieval.on_error)
     apply_torch_threads(params)
     if models:
         from scope_lib.smoke.warm_start import prepare
@@ -101,7 +109,7 @@ def cmd_train(args) -> int:
 
     if args.processes > 1 and "WORLD_SIZE" in os.environ:
         raise ParamsError("--processes starts the ranks itself: leave it out under torchrun or accelerate launch")
-    params = _torch_params(args, models=True)
+    params = _torch_params(args, models=True, corpus=True)
     if params.run.checkpoint_steps and (args.processes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         raise ParamsError("run.checkpoint_steps (mid-stage resume) runs with one process only so far: leave it out "
                           "with several ranks (a killed stage then restarts from its first step)")
@@ -125,11 +133,19 @@ def launch_ranks(args) -> int:
     NCCL on GPUs); one clear line if a rank fails. Several machines: `accelerate launch` (docs/gpus.md)."""
     import subprocess
 
+    from scope_lib.runs import Stopped
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
                "-m", "scope_lib.cli", "train", args.params]
     for override in args.override:
         command += ["-o", override]
-    code = subprocess.run(command).returncode
+    launcher = subprocess.Popen(command)
+    try:
+        code = launcher.wait()
+    except (Stopped, KeyboardInterrupt):  # torchrun passes SIGTERM on to its ranks, which stop as one process does
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait()
+        raise
     if code:
         print(f"error: {args.processes}-process training stopped (exit code {code}; a rank failed, its error is "
               "above); run the same command to resume", file=sys.stderr)
@@ -440,9 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status after SIGTERM (128 + 15, what a shell reports for a process SIGTERM ended).
+STOPPED_EXIT = 128 + signal.SIGTERM
+
+
 def main(argv: list[str] | None = None) -> int:
+    from scope_lib.runs import Stopped, stop_on_sigterm
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv is None and args.command != "serve":  # the command line (not a caller's main([...])); a server stops
+        stop_on_sigterm()                             # on SIGTERM as it always did
     if args.debug:
         return args.func(args)
     try:
@@ -450,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
+    except Stopped:  # a fresh line: a progress bar may be half drawn
+        command = "scope " + shlex.join(sys.argv[1:] if argv is None else argv)
+        print(f"\nstopped: SIGTERM received; everything written is kept (a write under way was finished first): "
+              f"run `{command}` to resume", file=sys.stderr)
+        return STOPPED_EXIT
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
         lost = _lost_rank(exc) if args.command == "train" else None
         if lost is not None:
@@ -467,11 +496,13 @@ def one_line(exc: BaseException) -> tuple[bool, str]:
     from scope_lib.evaluation.judge import JudgeUnavailable
     from scope_lib.retrieval.api import RetrievalError
     from scope_lib.retrieval.corpus import CorpusError
-    from scope_lib.runs import RunError
+    from scope_lib.runs import RunError, is_disk_full
 
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True, (f"disk full writing {exc.filename or 'the run folder'}: free space and run the same "
-                      "command again (a run resumes from its records; nothing half-written is trusted)")
+    if is_disk_full(exc):  # an OSError, or a library's own error (safetensors, SQLite) that says so
+        return True, _disk_full_line(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return True, (f"{exc.filename or exc} is on a read-only file system: write somewhere writable "
+                      "(-o run.runs_dir=DIR, retrieval.index_dir=DIR, $SCOPE_CACHE_DIR) or remount it read-write")
     if isinstance(exc, PermissionError):
         return True, f"permission denied: {exc.filename or exc}: check the folder's owner and mode"
     if isinstance(exc, IsADirectoryError):
@@ -483,14 +514,24 @@ def one_line(exc: BaseException) -> tuple[bool, str]:
     if isinstance(exc, json.JSONDecodeError):
         return True, f"damaged JSON ({exc}): delete the damaged file to regenerate it"
     if type(exc).__name__ == "SafetensorError":
-        if "StorageFull" in str(exc) or "code: 28" in str(exc):  # writing weights on a full disk
-            return True, (f"disk full writing weights ({exc}): free space and run the same command again (the "
-                          "weights are written under a temporary name: nothing half-written is trusted)")
         return True, f"a .safetensors file is damaged ({exc}): `scope runs verify <run>` names it"
     if isinstance(exc, ParamsError | CorpusError | BenchmarkDataError | JudgeUnavailable | RetrievalError |
                   RunError | ValueError):
         return True, str(exc)
     return False, str(exc)
+
+
+def _disk_full_line(exc: BaseException) -> str:
+    """`disk full writing <file> (what the library said): free space and ...`, the file taken from the first
+    exception of the chain that names one."""
+    from scope_lib.runs import exception_chain
+
+    named = next((e for e in exception_chain(exc) if isinstance(e, OSError) and e.filename), None)
+    where = named.filename if named is not None else "a file of the run (the library that failed did not say which)"
+    said = named.strerror if named is not None and named.strerror else \
+        (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return (f"disk full writing {where} ({said}): free space and run the same command again (it resumes from what "
+            "was written; nothing half-written is trusted)")
 
 
 if __name__ == "__main__":

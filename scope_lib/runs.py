@@ -10,15 +10,18 @@ damaged in the middle of a file is reported (file:line) and moved to `<file>.dam
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,8 @@ def lock_run(run_dir: str | os.PathLike) -> Path:
     run_dir = Path(run_dir).resolve()
     if run_dir in _held:
         return run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with _writable(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
     holder_file = run_dir / ".lock.holder"
     inherited = os.environ.get(LOCK_ENV, "")
     if inherited:
@@ -59,15 +63,37 @@ def lock_run(run_dir: str | os.PathLike) -> Path:
             return run_dir
     lock = FileLock(str(run_dir / ".lock"), timeout=0)
     try:
-        lock.acquire()
+        with _writable(run_dir):
+            lock.acquire()
     except Timeout:
         raise RunError(f"{run_dir} is in use by {_holder_text(holder_file)}: one process writes to a run at a "
                        "time; wait for it to finish (or stop it), or choose another run.name") from None
     _held[run_dir] = lock
-    atomic_write_json(holder_file, {"pid": os.getpid(), "host": socket.gethostname(),
-                                    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    with _writable(run_dir):
+        atomic_write_json(holder_file, {"pid": os.getpid(), "host": socket.gethostname(),
+                                        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
     os.environ[LOCK_ENV] = f"{run_dir}|{os.getpid()}"  # inherited by children (notebook kernels)
     return run_dir
+
+
+#: The errors of a folder that cannot be written to at all (as opposed to a full one).
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+@contextmanager
+def _writable(run_dir: Path) -> Iterator[None]:
+    """A run folder on a read-only file system, or one this user may not write, is a RunError naming the
+    folder and the keys that move the run somewhere writable."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in NOT_WRITABLE:
+            raise
+        why = "is on a read-only file system" if exc.errno == errno.EROFS else "is not writable by this user"
+        remedy = "remount it read-write" if exc.errno == errno.EROFS else "fix its owner and mode"
+        raise RunError(f"{run_dir} {why} ({exc.strerror}: {exc.filename or run_dir}): train, run and eval keep "
+                       "their lock, records and checkpoints in the run folder: put the run on a writable disk "
+                       f"(-o run.runs_dir=DIR), or {remedy}") from None
 
 
 def _alive(pid: int) -> bool:
@@ -107,17 +133,138 @@ def _named(exc: OSError, path: Path) -> OSError:
     return exc
 
 
+# -- a full disk, whichever library was writing ------------------------------------------------------------
+
+#: How the libraries that write for a run say "disk full" when they do not raise an OSError: safetensors
+#: ("No space left on device (os error 28)"), SQLite ("database or disk is full"), torch's writers, quotas.
+DISK_FULL_TEXT = ("no space left on device", "os error 28", "errno 28", "storagefull", "database or disk is full",
+                  "disk quota exceeded")
+
+#: A folder with less free space than this when a library's write fails is taken to be full, for the libraries
+#: that report a full disk without saying so (`writing(..., opaque=True)`): chromadb's embedded store ("InternalError:
+#: Error in compaction: Failed to apply logs to the metadata segment", issue 36) and torch.save ("RuntimeError:
+#: [enforce fail at inline_container.cc] unexpected pos ..."). Larger than any one write of a run (a batch of
+#: embeddings, an optimiser state of a small model), far below what a run needs.
+LOW_SPACE_BYTES = 64 << 20
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and every exception it was raised from or during (each once)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when `exc` (or an exception it came from) says the disk or the user's quota is full: an OSError
+    with ENOSPC or EDQUOT, or a library's own error whose text says so."""
+    for link in exception_chain(exc):
+        if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(link).lower() for text in DISK_FULL_TEXT):
+            return True
+    return False
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free space (for this user) on the file system holding `path` or its nearest existing parent."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def disk_full_error(path: str | os.PathLike, cause: BaseException | None = None) -> OSError:
+    """The OSError (ENOSPC) the CLI reports as `disk full writing <path>`, with the free space and the
+    library's own words (first line) kept."""
+    free = free_bytes(path)
+    detail = os.strerror(errno.ENOSPC) + (f", {free // 1024:,} KiB free" if free is not None else "")
+    if cause is not None and not isinstance(cause, OSError) and str(cause).strip():
+        detail += f"; {type(cause).__name__}: {str(cause).strip().splitlines()[0][:160]}"
+    return OSError(errno.ENOSPC, detail, str(path))
+
+
+def _names_its_file(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename is not None
+
+
+@contextmanager
+def writing(path: str | os.PathLike, *, opaque: bool = False) -> Iterator[None]:
+    """Around a library's writes into `path` (an index, an adapter folder, a checkpoint): a failure that says
+    the disk is full, however the library says it, becomes an OSError (ENOSPC) naming `path` (one that already
+    names its file is left as it is). `opaque`: the library may report a full disk without saying so (chromadb,
+    torch.save); then any error it raises while the file system of `path` has under LOW_SPACE_BYTES free counts."""
+    try:
+        yield
+    except Exception as exc:
+        if _names_its_file(exc):
+            raise
+        full = is_disk_full(exc)
+        if not full and opaque:
+            free = free_bytes(path)
+            full = free is not None and free < LOW_SPACE_BYTES
+        if not full:
+            raise
+        raise disk_full_error(path, exc) from exc
+
+
+# -- stopping on SIGTERM -------------------------------------------------------------------------------------
+
+
+class Stopped(BaseException):
+    """SIGTERM (a scheduler's preemption, `docker stop`, `kill`) asked the command to stop. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` on the way swallows it, and every `finally` runs (temporary
+    folders are removed, the lock is released)."""
+
+
+_stop = {"depth": 0, "pending": False}
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM raise `Stopped` in the main thread at the next safe point: at once, unless a write that
+    must not be cut (`safe_point`: a record batch, an atomic file, a saved adapter) is under way; then as soon
+    as it is finished. A second SIGTERM during such a write stops at once."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _stop["depth"] and not _stop["pending"]:
+        _stop["pending"] = True
+        log.warning("SIGTERM: stopping as soon as the write under way is finished")
+        return
+    _stop["pending"] = False
+    raise Stopped("SIGTERM")
+
+
+@contextmanager
+def safe_point() -> Iterator[None]:
+    """A write a SIGTERM waits for (see `stop_on_sigterm`); the stop comes when the outermost one ends."""
+    _stop["depth"] += 1
+    try:
+        yield
+    finally:
+        _stop["depth"] -= 1
+        if not _stop["depth"] and _stop["pending"]:
+            _stop["pending"] = False
+            raise Stopped("SIGTERM")
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write via a temporary file in the same folder and rename: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with safe_point(), open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        tmp.replace(path)
+            tmp.replace(path)
     except OSError as exc:  # e.g. disk full: the old file (if any) is untouched
         tmp.unlink(missing_ok=True)
         raise _named(exc, path) from exc
@@ -273,7 +420,7 @@ class RecordLog:
                 fresh.append(r)
         if fresh:
             try:
-                with open(self.path, "a", encoding="utf-8") as f:
+                with safe_point(), open(self.path, "a", encoding="utf-8") as f:
                     f.write("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in fresh))
                     f.flush()
                     os.fsync(f.fileno())

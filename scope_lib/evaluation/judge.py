@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from scope_lib.models.engine import Engine, Sampling
 from scope_lib.models.retries import post_with_retries, redact
+from scope_lib.runs import disk_full_error, is_disk_full, writing
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class JudgeCache:
         try:
             self._db = self._open()
         except sqlite3.DatabaseError as exc:  # it is only a cache: keep the damaged file for inspection, rebuild
+            if is_disk_full(exc):  # "database or disk is full": the file is fine, the disk is not
+                raise disk_full_error(self.path, exc) from exc
             aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
             log.warning("judge cache %s is damaged (%s): moved to %s and rebuilt empty (replies are asked again)",
                         self.path, exc, aside)
@@ -163,7 +166,7 @@ class JudgeCache:
         return found
 
     def put(self, request: JudgeRequest, reply: JudgeReply) -> None:
-        with self._lock:
+        with self._lock, writing(self.path):  # SQLite's "database or disk is full" names no file
             self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              (request.key, request.settings.model, request.prompt_version, request.sample_index,
                               reply.text, reply.prompt_tokens, reply.completion_tokens, reply.reasoning_tokens,

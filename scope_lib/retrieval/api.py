@@ -97,7 +97,7 @@ class BuildStats:
 
 
 class IndexCheckError(RetrievalError):
-    """`scope index check` failed; the message is its table."""
+    """`scope index check` failed; the message names the failed rows in one line (the table is shown apart)."""
 
 
 class IndexTooLargeError(RetrievalError):

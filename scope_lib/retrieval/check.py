@@ -2,10 +2,10 @@
 
     report = check_index(params)          # any backend: chroma, faiss, bm25, or a /retrieve server (http)
     print(report.table())
-    report.raise_if_failed()              # IndexCheckError with the table when a check failed
+    report.raise_if_failed()              # IndexCheckError, one line naming the failed rows
 
 Checks (each a row: passed, failed, or skipped with the reason):
-- corpus: the configured corpus file is there (the canaries come from it);
+- corpus: the configured corpus file is there and holds a passage (the canaries come from it);
 - index: the index opens without building anything (missing, unfinished, or built for another embedder:
   fail); a server answers /health;
 - fingerprint: the index was built from this corpus (sha256 and slice), with this embedder; a server that
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scope_lib.retrieval.api import IndexCheckError
-from scope_lib.retrieval.corpus import GZIP_MAGIC, Passage, iter_passages
+from scope_lib.retrieval.corpus import GZIP_MAGIC, CorpusError, Passage, iter_passages, require_passages
 from scope_lib.retrieval.embedders import make_embedder
 from scope_lib.retrieval.http_client import HttpRetriever
 from scope_lib.retrieval.index import cached_corpus_sha256, index_path, open_index, store_path
@@ -78,9 +78,16 @@ class CheckReport:
         lines += ["", "PASS" if self.passed else "FAIL: fix the rows marked FAIL before training"]
         return "\n".join(lines)
 
+    def failure_line(self) -> str:
+        """One line naming the failed rows and what to do (the table itself is shown once, by the caller)."""
+        failed = "; ".join(f"{row.name}: {' '.join(row.detail.split())}" for row in self.rows if row.passed is False)
+        return (f"the index check failed ({failed}): fix the rows marked FAIL in the table above "
+                "(`scope index check --params P` prints it again)")
+
     def raise_if_failed(self) -> None:
+        """IndexCheckError with `failure_line` when a row failed."""
         if not self.passed:
-            raise IndexCheckError(self.table())
+            raise IndexCheckError(self.failure_line())
 
     def __str__(self) -> str:
         return self.table()
@@ -96,10 +103,7 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     cfg = params.retrieval
     where = cfg.server_url if cfg.backend == "http" else str(params.run_dir)
     report = CheckReport(cfg.backend, cfg.faiss_factory if cfg.backend == "faiss" else where)
-    corpus = Path(params.corpus_path)
-    if not report.add("corpus", corpus.is_file(), str(corpus) if corpus.is_file() else
-                      f"{corpus} not found: the canaries come from the corpus (`scope data fetch`)"):
-        corpus = None
+    corpus = _check_corpus(report, Path(params.corpus_path), cfg.on_error)
     embedder = make_embedder(cfg) if cfg.backend != "bm25" else None
 
     # -- open ------------------------------------------------------------------------------------------
@@ -173,6 +177,20 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     _canary_rows(report, canaries, hits[:-1], k, min_canary_recall, count)
     report.add("blank query", hits[-1] == [], "no hits" if hits[-1] == [] else f"{len(hits[-1])} hits")
     return report
+
+
+def _check_corpus(report: CheckReport, corpus: Path, on_error: str) -> Path | None:
+    """The corpus row: the file is there and holds a passage (the canaries come from it). None when not."""
+    if not corpus.exists():
+        report.add("corpus", False, f"{corpus} not found: the canaries come from the corpus (`scope data fetch`)")
+        return None
+    try:
+        require_passages(corpus, on_error)
+    except CorpusError as exc:
+        report.add("corpus", False, str(exc))
+        return None
+    report.add("corpus", True, str(corpus))
+    return corpus
 
 
 def canary_query(passage: Passage) -> str:

@@ -202,10 +202,31 @@ def iter_passages(path: str | os.PathLike, on_error: OnError = "raise",
                         ", ".join(f"{kind} {n}" for kind, n in skipped.items()), first_skipped)
 
 
+def empty_corpus_message(path: str | os.PathLike, on_error: OnError = "raise") -> str:
+    """What is said of a corpus file without a single passage (everyone who refuses one says the same)."""
+    skipped = ", or only malformed lines, which retrieval.on_error: skip leaves out" if on_error == "skip" else ""
+    return (f"{path} holds no passages (an empty file{skipped}): nothing can be indexed or trained on; "
+            'retrieval.corpus must name a JSONL file with one {"id": ..., "contents": "title\\ntext"} object per '
+            "line: fix the file, or point retrieval.corpus at another")
+
+
+def require_passages(path: str | os.PathLike, on_error: OnError = "raise") -> None:
+    """Refuse a corpus without a single passage before anything is built from it: an empty index passes for
+    an index, and once built it is kept. Reads up to the first passage (a missing or malformed file raises as
+    `iter_passages` does)."""
+    stream = iter_passages(path, on_error, max_passages=1)
+    try:
+        first = next(stream, None)
+    finally:
+        stream.close()
+    if first is None:
+        raise CorpusError(empty_corpus_message(path, on_error))
+
+
 def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw line) for a plain or gzip file; a broken gzip stream is a CorpusError."""
     if path.is_dir():
-        raise CorpusError(f"{path} is a folder: retrieval.corpus_path must name the corpus file (JSONL, e.g. "
+        raise CorpusError(f"{path} is a folder: retrieval.corpus must name the corpus file (JSONL, e.g. "
                           "wiki-18.jsonl)")
     if not path.is_file():
         raise CorpusError(f"{path}: no such corpus file. Run `scope data fetch` to download it. "

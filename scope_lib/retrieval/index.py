@@ -34,7 +34,7 @@ from scope_lib.retrieval.chroma_index import (
     index_fingerprint,
     make_chroma_client,
 )
-from scope_lib.retrieval.corpus import corpus_checksum, iter_passages
+from scope_lib.retrieval.corpus import corpus_checksum, iter_passages, require_passages
 from scope_lib.retrieval.embedders import ScopeEmbedder, make_embedder
 from scope_lib.retrieval.faiss_index import build_faiss_index, index_key, open_faiss
 from scope_lib.retrieval.http_client import HttpRetriever
@@ -49,6 +49,7 @@ from scope_lib.retrieval.store import (
     read_json,
     slug,
 )
+from scope_lib.runs import writing
 
 if TYPE_CHECKING:
     from scope_lib.config import Params
@@ -95,6 +96,8 @@ def cached_corpus_sha256(corpus_path: str | os.PathLike, cache_dir: str | os.Pat
 
 def _corpus_file(params: Params) -> Path:
     corpus = Path(params.corpus_path)
+    if corpus.is_dir():
+        require_passages(corpus)  # the corpus reader's own line: a folder, retrieval.corpus names the file
     if not corpus.is_file():
         raise RetrievalError(f"corpus {corpus} not found: run `scope data fetch --params PARAMS`, or point "
                              "retrieval.corpus (or $SCOPE_DATA_DIR) at a wiki-18 style JSONL file")
@@ -119,19 +122,23 @@ def build_or_open_index(params: Params, rebuild: bool = False, progress: bool = 
                              "Build it where the server runs (`scope index build` with backend chroma, faiss "
                              "or bm25), then `scope serve retrieval` there.")
     corpus = _corpus_file(params)
+    require_passages(corpus, cfg.on_error)  # before anything is built: an empty index would pass for one
     if not force and (rebuild or not index_is_built(params)):
         _refuse_if_too_big(params)
     if cfg.backend in ("faiss", "bm25"):
-        return _build_or_open_store(params, corpus, rebuild, progress, embedder)
+        with writing(store_path(params)):
+            return _build_or_open_store(params, corpus, rebuild, progress, embedder)
 
     path = index_path(params) if cfg.chroma_mode == "embedded" else None
-    sha = cached_corpus_sha256(corpus, path if path is not None else Path(params.run_dir))
-    stream = iter_passages(corpus, cfg.on_error, max_passages=cfg.max_passages)
-    try:
-        return build_index(stream, cfg, corpus_sha256=sha, path=path, rebuild=rebuild, progress=progress,
-                           total=cfg.max_passages, embedder=embedder)
-    finally:
-        stream.close()
+    # chromadb's embedded store reports a full disk as "InternalError: Error in compaction: ..." (issue 36)
+    with writing(path if path is not None else Path(params.run_dir), opaque=path is not None):
+        sha = cached_corpus_sha256(corpus, path if path is not None else Path(params.run_dir))
+        stream = iter_passages(corpus, cfg.on_error, max_passages=cfg.max_passages)
+        try:
+            return build_index(stream, cfg, corpus_sha256=sha, path=path, rebuild=rebuild, progress=progress,
+                               total=cfg.max_passages, embedder=embedder)
+        finally:
+            stream.close()
 
 
 def _refuse_if_too_big(params: Params) -> None:

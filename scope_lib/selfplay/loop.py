@@ -31,7 +31,7 @@ from scope_lib.models.loading import make_engine
 from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.check import check_index
-from scope_lib.retrieval.corpus import document_range, read_corpus
+from scope_lib.retrieval.corpus import CorpusError, document_range, empty_corpus_message, read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import Stage, iteration_dir, write_manifest
 from scope_lib.selfplay import health, ranks
@@ -110,13 +110,15 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
         ranks.check_generation_layout(params.engine.backend)
     r = params.retrieval
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+    if not passages:  # before an index is built from it: an empty index would be kept
+        raise CorpusError(empty_corpus_message(params.corpus_path, r.on_error))
     if retriever is None:  # the main rank builds (or opens) the index first; the others then open what it built
         retriever = open_retriever(params) if ranks.is_main() else None
         ranks.barrier()
         retriever = retriever or open_retriever(params)
     report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
-    log.info("%s", report.table())
-    report.raise_if_failed()
+    log.log(logging.INFO if report.passed else logging.ERROR, "%s", report.table())  # once; a failure then says
+    report.raise_if_failed()                                                         # which rows, in one line
     if engine is None and params.engine.backend != "hf" and params.model.finetuning == "full":
         raise ParamsError("model.finetuning: full trains separate weights per role, which a LoRA-serving engine "
                           "cannot generate from: use engine.backend: hf, or LoRA (model.finetuning: lora)")

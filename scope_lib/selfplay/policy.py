@@ -20,7 +20,7 @@ from scope_lib.models.engine import Completion, Engine, Sampling  # noqa: E402
 from scope_lib.models.hf_engine import HFEngine  # noqa: E402
 from scope_lib.models.loading import add_role_adapters, load_training_model
 from scope_lib.models.openai_engine import OpenAIEngine
-from scope_lib.runs import load_weights
+from scope_lib.runs import load_weights, safe_point, writing
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +97,17 @@ class Policy:
     # -- saving and loading ------------------------------------------------------------------------------
     def save(self, role: str, stage_dir: str | os.PathLike, state_dict: dict | None = None) -> Path:
         """Write the role to `stage_dir/adapter` (LoRA: adapter_config.json + weights) or `stage_dir/model`,
-        atomically (a temporary folder renamed into place). `state_dict`: the weights gathered from sharded
-        ranks (FSDP2, ZeRO-3), in place of the module's own shards."""
+        atomically (a temporary folder renamed into place; a SIGTERM waits for it). `state_dict`: the weights
+        gathered from sharded ranks (FSDP2, ZeRO-3), in place of the module's own shards. A full disk is an
+        OSError (ENOSPC) naming the folder, whichever library was writing (safetensors says it its own way)."""
         check_role(role)
         target = Path(stage_dir) / ("adapter" if self.finetuning == "lora" else "model")
+        with safe_point(), writing(target):
+            return self._save(role, target, state_dict)
+
+    def _save(self, role: str, target: Path, state_dict: dict | None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=stage_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             if self.finetuning == "lora":
                 self.model.save_pretrained(tmp, selected_adapters=[role], state_dict=state_dict)

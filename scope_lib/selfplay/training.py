@@ -45,7 +45,7 @@ from scope_lib.config import Params, ParamsError  # noqa: E402
 from scope_lib.models.engine import Engine  # noqa: E402
 from scope_lib.protocol import rewards  # noqa: E402
 from scope_lib.protocol.dialects import Dialect  # noqa: E402
-from scope_lib.runs import Stage  # noqa: E402
+from scope_lib.runs import Stage, safe_point, writing  # noqa: E402
 from scope_lib.selfplay import health, ranks  # noqa: E402
 from scope_lib.selfplay.checkpoints import checkpoint_step, latest_checkpoint, marker_callback, role_folder
 from scope_lib.selfplay.judge import Judge  # noqa: E402
@@ -223,6 +223,15 @@ def _trainer_class():
             if self.scope_policy is None:
                 return super().save_model(output_dir, _internal_call)
             self.scope_policy.save(self.scope_role, output_dir or self.args.output_dir)
+
+        def _maybe_log_save_evaluate(self, *args, **kwargs):
+            with safe_point():  # a SIGTERM waits for the step's checkpoint and its seal (run.checkpoint_steps)
+                return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+        def _save_checkpoint(self, model, trial):
+            # torch.save reports a full disk as "RuntimeError: ... unexpected pos ...": name the folder instead
+            with writing(self.args.output_dir, opaque=True):
+                return super()._save_checkpoint(model, trial)
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
             if self.scope_policy is None:
