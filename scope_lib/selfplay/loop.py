@@ -367,7 +367,8 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
                  "judge_calls": judge_after["calls"] - judge_before["calls"],
                  "time_generation_s": written.generation_s + solved.generation_s,
                  "time_retrieval_s": written.retrieval_s + solved.retrieval_s,
-                 "time_judge_s": judge_after["seconds"] - judge_before["seconds"]}
+                 "time_judge_s": judge_after["seconds"] - judge_before["seconds"],
+                 "stops_in_thinking": written.stops_in_thinking + solved.stops_in_thinking}
         traj_records = {q.id: q.to_record() for q in trajectories}
         gathered = ranks.gather([(evals, traj_records, costs)])  # every rank's share, in prompt order
         evals = [e for share, _, _ in gathered for e in share]
@@ -388,6 +389,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
                             "in_window": len(kept), "kept": len(kept_ids),
                             "yield": len(kept) / len(evals) if evals else 0.0,
                             "engine_calls": costs["engine_calls"], "judge_calls": costs["judge_calls"],
+                            "stops_in_thinking": costs["stops_in_thinking"],
                             "time_total_s": time.perf_counter() - started,
                             **{key: costs[key] for key in ("time_generation_s", "time_retrieval_s", "time_judge_s")}}])
         kept_per_batch[k], n_candidates = len(kept_ids), n_candidates + len(evals)
