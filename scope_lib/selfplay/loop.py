@@ -183,7 +183,8 @@ def science_yaml(params: Params) -> str:
     but the documents the check holds out from training count), `model.loader` (transformers and Unsloth load the
     same M0 and the same adapters: a run resumes with either) and `judge.calibration` (a probe of the grader when
     the run opens: it changes no grade). Options added after runs existed are left out at their default
-    (`grpo.reward_control: none`, no held-out documents), so those runs still resume."""
+    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, no held-out documents), so those runs
+    still resume."""
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items()
@@ -192,6 +193,8 @@ def science_yaml(params: Params) -> str:
     science["judge"].pop("calibration")
     if science["grpo"]["reward_control"] == "none":
         science["grpo"].pop("reward_control")
+    if science["challenger"]["no_rubrics_reward"] == "format":
+        science["challenger"].pop("no_rubrics_reward")
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)

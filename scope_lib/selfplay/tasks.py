@@ -197,7 +197,9 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
         e.mean_score = sum(e.solver_scores) / len(runs) if runs else None
         e.reward = rewards.challenger_reward(e.format.total, e.gates_passed, e.mean_score,
                                              format_weight=c.format_weight, difficulty_weight=c.difficulty_weight,
-                                             target=c.difficulty_target, shape=c.reward_shape)
+                                             target=c.difficulty_target, shape=c.reward_shape,
+                                             rubrics_parsed=e.rubrics is not None,
+                                             no_rubrics_reward=c.no_rubrics_reward)
     return evals, graded, stats
 
 
