@@ -388,6 +388,10 @@ class ChallengerConfig(Section):
         "tent", description="f_diff of eq. 4: 'tent' = eq. 5 (paper); 'rzero' = R-Zero's 1 - 2|g - 1/2| (equal to "
         "the tent at tau = 0.5); 'spice' = SPICE's Gaussian on the variance, exp(-(g(1-g) - 1/4)^2 / 0.02); "
         "'ssp' = Search Self-Play's 1 - g.")
+    no_rubrics_reward: Literal["format", "zero"] = Field(
+        "format", description="R_C of a task that passed the gates but whose rubric reply never parsed (after the "
+        "Judge's retry), so g-bar does not exist: 'format' = eq. 4 as written, lambda_fmt * r_fmt with no "
+        "difficulty term (as after a failed gate; the paper is silent); 'zero' = 0, the authors' code.")
     clip_low: float = Field(0.2, gt=0.0, description="epsilon (lower clip) in eq. 3.")
     clip_high: float = Field(0.2, gt=0.0, description="Upper clip range.")
 

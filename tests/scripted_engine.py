@@ -26,6 +26,13 @@ def _opening(name: str) -> str:
     return load_template(name).template.strip().splitlines()[0][:60]
 
 
+def _rest_of_turn(text: str, context: str) -> str:
+    """What is left to write of `text` when the context already holds the start of it: a turn that stopped inside
+    thinking and continues from its own tokens (the rollout's next round) gets the rest, not the whole turn again."""
+    written = context.rsplit("<|im_start|>assistant\n", 1)[-1] if "<|im_start|>assistant\n" in context else ""
+    return text[len(written):] if written and text.startswith(written) else text
+
+
 class ScriptedEngine:
     """Engine protocol: `generate(prompt_token_ids, sampling, adapter=None) -> list[Completion]`."""
 
@@ -57,7 +64,7 @@ class ScriptedEngine:
             text = (self.override(role, context) if self.override else None)
             if text is None:
                 text = getattr(self, f"_{role}")(context)
-            out.append(self._complete(text, sampling))
+            out.append(self._complete(_rest_of_turn(text, context), sampling))
         return out
 
     def _complete(self, text: str, sampling: Sampling) -> Completion:

@@ -57,6 +57,22 @@ def test_rubric_overlap():
     assert rubric_overlap(a, c) == 0.0
 
 
+def test_thinking_stops_per_step_for_the_health_panel():
+    import pandas as pd
+
+    from scope_lib.reports.analysis import thinking_stops_per_step
+
+    metrics = pd.DataFrame([
+        {"role": "challenger", "iteration": 1, "step": 1, "stops_in_thinking": 3, "solver_stops_in_thinking": 1},
+        {"role": "challenger", "iteration": 1, "step": 2, "stops_in_thinking": 0, "solver_stops_in_thinking": 4},
+        {"role": "solver", "iteration": 1, "step": 1, "stops_in_thinking": 2}])
+    table = thinking_stops_per_step(metrics)
+    assert table.loc[("challenger", 1, 2)].tolist() == [0, 4] and table.loc[("solver", 1, 1)].tolist() == [2, 0]
+    assert table.columns[0] == "stops inside thinking (the role's rollouts)"
+    assert thinking_stops_per_step(metrics.drop(columns=["stops_in_thinking", "solver_stops_in_thinking"])) is None
+    assert thinking_stops_per_step(pd.DataFrame()) is None
+
+
 def test_learning_signals_figure_per_step_and_role():
     import pandas as pd
 

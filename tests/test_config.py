@@ -120,6 +120,7 @@ def test_unknown_override_key_names_allowed_keys():
     ("selfplay.difficulty_window=[0.9,0.1]", "selfplay", "0 <= l <= u <= 1"),
     ("solver.length_hard=10", "solver", "must exceed length_soft"),
     ("grpo.group_size=1", "grpo.group_size", "greater than or equal to 2"),
+    ("challenger.no_rubrics_reward=half", "challenger.no_rubrics_reward", "'format' or 'zero'"),
 ])
 def test_bad_values_name_key_and_allowed(override, key, hint):
     with pytest.raises(ParamsError) as err:

@@ -42,6 +42,31 @@ def test_no_action_and_search_inside_think_is_ignored(name):
     assert d.parse_search(None).kind == "none"
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_mentioned_opener_pairs_the_real_search_with_its_own_opener(name):
+    """The nearest opener before the first closer is the action's (as for tasks and answers): a tag the model
+    names before its search is not part of the query."""
+    d = get_dialect(name)
+    action = d.parse_search(f"I will use {d.search_open} now.\n{d.format_search('MV Rena owner')}")
+    assert action.kind == "search" and action.query == "MV Rena owner"
+    twice = d.parse_search(f"{d.search_open}{d.format_search('MV Rena owner')} then {d.format_search('later')}")
+    assert twice.query == "MV Rena owner"
+    # still the first action: a later search's opener does not move it, and an opener with no closer is malformed
+    assert d.parse_search(f"{d.format_search('first')} {d.search_open} {d.format_search('second')}").query == "first"
+    assert d.parse_search(f"Next I write {d.search_open} and a query").kind == "malformed"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_searches_are_read_outside_thinking_as_answers_are(name):
+    """Thinking hides a search the way parsing.strip_think hides an answer: an unclosed block to the end, and with
+    `starts_in_think` (the chat template opened <think>) the reasoning before the first </think>."""
+    d = get_dialect(name)
+    assert d.parse_search(f"<think>I might run {d.format_search('draft')} and then").kind == "none"
+    opened = f"I might run {d.format_search('draft')}</think>\n{d.format_search('real')}"
+    assert d.parse_search(opened, starts_in_think=True).query == "real"
+    assert d.count_searches([opened, f"<think>{d.format_search('x')}"], starts_in_think=True) == (1, 0)
+
+
 def test_positional_first_action_wins():
     d = get_dialect("qwen2.5")
     assert d.parse_search("<search>first</search> then <search>second</search>").query == "first"

@@ -199,6 +199,49 @@ def test_hf_stop_strings_are_matched_in_generated_text_only(model, tokenizer):
         assert completion.finish_reason == ("stop" if stop in free.text else "length")
 
 
+class NoRetrieval:
+    """A rollout whose turns never leave their thinking has nothing to look up."""
+
+    def search(self, queries, k=None):
+        raise AssertionError(f"searched {queries} from inside thinking")
+
+
+def continue_a_stop_inside_thinking(engine, tokenizer, reference_model, budget: int = 24, seed: int = 7):
+    """A real model's turn that starts inside thinking (as under a chat template that opens <think>) and writes
+    a stop string: the turn goes on in further engine calls, from its own tokens, until its budget. The first
+    call is the model's own seeded turn cut at the stop; the log-probs of the whole turn equal one forward pass
+    over prompt + turn, so every continuation was sampled from the exact prefix."""
+    from dataclasses import replace
+
+    from scope_lib.protocol.dialects import get_dialect
+    from scope_lib.selfplay.rollout import RolloutLimits, new_trajectory, run_rollouts
+
+    traj = new_trajectory("t0", "solver", [{"role": "user", "content": QUESTIONS[1]}], tokenizer, max_searches=2)
+    free = engine.generate([traj.prompt_ids], Sampling(max_new_tokens=budget, seed=seed))[0]
+    stop = tokenizer.decode(free.token_ids[4:6])   # a stop string this model writes at this seed
+    first = next(n for n in range(1, len(free.token_ids) + 1) if stop in tokenizer.decode(free.token_ids[:n]))
+    assert stop.strip() and "think>" not in free.text and first < budget
+    dialect = replace(get_dialect("qwen2.5"), search_close=stop)
+    traj.opens_think = True
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=budget, max_response_tokens=4 * budget,
+                           max_model_len=512, max_prompt_tokens=256, seed=seed)
+    calls = engine.calls
+    stats = run_rollouts([traj], engine, NoRetrieval(), dialect, limits)
+    assert traj.completion_ids[:first] == free.token_ids[:first] and len(traj.completion_ids) > first
+    assert len(traj.turns) == 1 and traj.turn_spans == [(0, len(traj.completion_ids))] and all(traj.env_mask)
+    assert traj.stops_in_thinking == stats.stops_in_thinking >= 1
+    assert engine.calls - calls == stats.engine_calls == 1 + stats.stops_in_thinking   # one call per round
+    assert traj.turns[0] == tokenizer.decode(traj.completion_ids)
+    assert traj.finish == ("length" if len(traj.completion_ids) == budget else "no_action")
+    reference = forward_logprobs(reference_model, traj.prompt_ids, traj.completion_ids)
+    assert traj.logprobs == pytest.approx(reference, abs=1e-4)
+    return traj, stats
+
+
+def test_hf_a_stop_inside_thinking_continues_the_turn(model, tokenizer):
+    continue_a_stop_inside_thinking(HFEngine(model, tokenizer), tokenizer, model)
+
+
 def test_hf_seeds(model, tokenizer):
     engine = HFEngine(model, tokenizer)
     prompts = chat_prompts(tokenizer)

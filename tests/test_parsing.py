@@ -13,6 +13,7 @@ from scope_lib.protocol.parsing import (
     PRIORITIES,
     Rubric,
     count_think_blocks,
+    ends_in_think,
     extract_answer,
     extract_task,
     has_think,
@@ -38,7 +39,7 @@ any_text = st.one_of(st.text(), protocol_text)
 plain_text = protocol_text.filter(lambda s: "think" not in s)
 
 PARSERS = [extract_task, extract_answer, parse_rubrics, parse_score, strip_think, count_think_blocks,
-           has_think, starts_with_think]
+           has_think, starts_with_think, ends_in_think]
 
 
 @settings(max_examples=300, deadline=None)
@@ -59,6 +60,7 @@ def test_parsers_never_raise_and_return_their_types(text, starts_in_think):
     blocks = count_think_blocks(text, starts_in_think=starts_in_think)
     assert blocks >= 0 and has_think(text, starts_in_think=starts_in_think) == (blocks > 0)
     assert isinstance(starts_with_think(text, starts_in_think=starts_in_think), bool)
+    assert isinstance(ends_in_think(text, starts_in_think=starts_in_think), bool)
 
 
 @given(any_text, st.integers(-5, 20), st.integers(-5, 20))
@@ -117,6 +119,18 @@ def test_count_and_has_think():
     assert count_think_blocks("<think>unclosed") == 0
     assert not has_think("<think>unclosed") and has_think("<think>x</think>")
     assert not has_think("plain") and not has_think("")
+
+
+def test_ends_in_think_follows_what_strip_think_hides():
+    assert ends_in_think("<think>I will close with </answer> later")
+    assert not ends_in_think("<think>plan</think> now <answer>x")
+    assert ends_in_think("<think>a</think> b <think>c")
+    assert ends_in_think("<think>an opener <think> inside thinking is thought")
+    assert not ends_in_think("a lone </think> and then </answer>")
+    assert ends_in_think("the template opened it", starts_in_think=True)
+    assert not ends_in_think("plan</think> out", starts_in_think=True)
+    assert not ends_in_think("") and ends_in_think("", starts_in_think=True)
+    assert not ends_in_think(None)
 
 
 def test_starts_with_think():

@@ -315,3 +315,148 @@ def test_solver_turns_must_leave_room_to_answer(params):
         load_params(REPO / "params" / "smoke.yaml", ["solver.max_searches=3", "solver.max_turns=3"])
     assert load_params(REPO / "params" / "smoke.yaml", ["solver.max_turns=null"]).solver.turn_limit == 3
     assert load_params().solver.turn_limit == 6                       # paper: 5 searches, then the answer
+
+
+# -- stops inside thinking, a mentioned opener, unparseable rubrics (issue 34) --------------------------------
+
+
+def _planning_thought(dialect, final_tag: str) -> str:
+    """A thought that names the turn's stop strings before the real action, as thinking models do."""
+    return (f"<think>I will wrap the final text in <{final_tag}> and </{final_tag}> once I have searched; a search "
+            f"is written {dialect.format_search('example')}, so I write one now.</think>\n")
+
+
+def _check_turn_stream(traj, tok) -> None:
+    """Every turn is one contiguous span of sampled tokens; between turns only the environment writes."""
+    assert len(traj.completion_ids) == len(traj.env_mask) == len(traj.logprobs)
+    assert tok.decode(traj.model_token_ids()) == "".join(traj.turns)
+    for (a, b), turn in zip(traj.turn_spans, traj.turns, strict=True):
+        assert all(traj.env_mask[a:b]) and tok.decode(traj.completion_ids[a:b]) == turn
+    for (_, end), (start, _) in zip(traj.turn_spans, traj.turn_spans[1:]):
+        assert start > end and not any(traj.env_mask[end:start])
+    assert len(per_turn_datums(traj)) == len(traj.turns)
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+def test_a_stop_inside_thinking_does_not_end_the_solver_turn(name, params, retriever, tiny_tokenizer):
+    """`</answer>` and the search closer named in thought: the turn continues (prefix kept, in the next batched
+    call) to the real search, and the rollout answers. Before issue 34 the turn ended at `</answer>` with no
+    action visible, and the rollout scored nothing."""
+    dialect, tok = get_dialect(name), tiny_tokenizer
+
+    def plan_first(role, context):
+        if role == "solver" and "MV Rena" in context and context.count("<|im_start|>assistant") == 1:
+            return _planning_thought(dialect, "answer") + dialect.format_search("MV Rena owner")
+        return None
+
+    engine = ScriptedEngine(tok, dialect, override=plan_first)
+    trajs = [new_trajectory(f"s{i}", "solver", solver_messages(q, dialect, 2), tok, max_searches=2)
+             for i, q in enumerate(["Explain how MV Rena and Astrolabe Reef are connected.",
+                                    "Explain how Evan Morris are connected."])]
+    stats = run_rollouts(trajs, engine, retriever, dialect, solver_limits(params))
+    thinker, plain = trajs
+    assert [t.finish for t in trajs] == ["answer", "answer"] and thinker.answer
+    assert thinker.stops_in_thinking == 2 and plain.stops_in_thinking == 0 and stats.stops_in_thinking == 2
+    assert [s.query for s in thinker.searches] == ["MV Rena owner"]        # not the 'example' named in thought
+    assert len(thinker.turns) == 2 and thinker.turns[0].startswith("<think>I will wrap")
+    assert thinker.turns[0].endswith(dialect.format_search("MV Rena owner"))
+    # one engine call per round for every live rollout: the plain one answers while the thinker's turn goes on
+    assert engine.calls == stats.engine_calls == 4 and engine.batch_sizes == [2, 2, 1, 1]
+    assert stats.turns == 2 and stats.retrieval_calls == 2
+    for traj in trajs:
+        _check_turn_stream(traj, tok)
+    from scope_lib.selfplay.training import SUMMED, trajectory_metrics
+
+    assert trajectory_metrics(trajs)["stops_in_thinking"] == 2 and "stops_in_thinking" in SUMMED  # the step's count
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+def test_a_stop_inside_thinking_does_not_end_the_challenger_turn(name, params, retriever, passages, tiny_tokenizer):
+    """`</task>` and the search closer named in the Challenger's thought: its searches and task go on as planned."""
+    dialect, tok = get_dialect(name), tiny_tokenizer
+
+    def plan_first(role, context):
+        if role == "challenger" and context.count("<|im_start|>assistant") == 1:
+            planned = engine._challenger(context)
+            return _planning_thought(dialect, "task") + planned.split("</think>\n", 1)[1]
+        return None
+
+    engine = ScriptedEngine(tok, dialect, override=plan_first)
+    prompts, trajs = _challenger_batch(passages, dialect, tok, n=3)
+    stats = run_rollouts(trajs, engine, retriever, dialect, challenger_limits(params))
+    for traj, prompt in zip(trajs, prompts, strict=True):
+        assert traj.finish == "task" and traj.task
+        assert traj.n_valid_searches == prompt.expected_searches and "example" not in traj.searches[0].query
+        assert len(traj.turns) == prompt.expected_searches + 1 and traj.stops_in_thinking == 2
+        _check_turn_stream(traj, tok)
+    assert stats.stops_in_thinking == 2 * len(trajs)
+    assert engine.calls == stats.engine_calls == max(p.expected_searches for p in prompts) + 1 + 2
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+def test_a_turn_that_runs_out_of_budget_inside_thinking_takes_no_action(name, params, retriever, tiny_tokenizer):
+    """A stop inside thinking with no token left in the turn: the turn ends as truncated, and the search named
+    in the unfinished thought is not run."""
+    dialect, tok = get_dialect(name), tiny_tokenizer
+
+    def endless(role, context):
+        return (f"<think>First {dialect.format_search('example')} then more thought " + "and more " * 60
+                if role == "solver" else None)
+
+    engine = ScriptedEngine(tok, dialect, override=endless)
+    traj = new_trajectory("s0", "solver", solver_messages("Explain how Evan Morris are connected.", dialect, 2), tok,
+                          max_searches=2)
+    limits = solver_limits(params)
+    limits.max_new_tokens_per_turn = 60
+    stats = run_rollouts([traj], engine, retriever, dialect, limits)
+    assert traj.searches == [] and stats.retrieval_calls == 0 and traj.finish == "length"
+    assert len(traj.turns) == 1 and len(traj.completion_ids) == 60 and traj.stops_in_thinking == 1
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+def test_a_mentioned_opener_before_the_search_sends_the_real_query(name, params, tiny_tokenizer):
+    dialect, tok = get_dialect(name), tiny_tokenizer
+    sent = []
+
+    class Recording:
+        def search(self, queries, k=None):
+            sent.extend(queries)
+            return [[Hit(id="1", title="MV Rena", text="The MV Rena was owned by Costamare.", score=1.0)]
+                    for _ in queries]
+
+    def mention(role, context):
+        if role == "solver" and context.count("<|im_start|>assistant") == 1:
+            return f"I will use {dialect.search_open} now.\n{dialect.format_search('MV Rena owner')}"
+        return None
+
+    engine = ScriptedEngine(tok, dialect, override=mention)
+    traj = new_trajectory("s0", "solver", solver_messages("Explain how MV Rena are connected.", dialect, 2), tok,
+                          max_searches=2)
+    run_rollouts([traj], engine, Recording(), dialect, solver_limits(params))
+    assert sent == ["MV Rena owner"] and traj.searches[0].valid and traj.finish == "answer"
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+@pytest.mark.parametrize("choice", ["format", "zero"])
+def test_unparseable_rubrics_leave_the_challenger_the_chosen_reward(name, choice, params, retriever, passages,
+                                                                    tiny_tokenizer):
+    """`challenger.no_rubrics_reward`: a task that passed its gates but whose rubric reply never parsed (after
+    the retry) keeps λ_fmt·r_fmt (eq. 4 as written, the default) or gets 0 (the authors' code)."""
+    dialect, tok = get_dialect(name), tiny_tokenizer
+    p = params.model_copy(deep=True)
+    p.challenger.no_rubrics_reward = choice
+
+    def no_rubrics(role, context):
+        return "<think>Rubrics.</think>\n<rubrics><rubric>only one</rubric></rubrics>" if role == "rubrics" else None
+
+    engine = ScriptedEngine(tok, dialect, override=no_rubrics)
+    prompts, trajs = _challenger_batch(passages, dialect, tok, n=3)
+    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(p))
+    judge = Judge(engine, p.judge)
+    evals, graded, _ = evaluate_tasks(trajs, {q.id: q for q in prompts}, params=p, judge=judge,
+                                      solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    rubric_stage = judge.stats.stages["rubrics"]
+    assert rubric_stage.retried == rubric_stage.unparseable == len(evals) and graded == []
+    assert all(e.outcome == "no rubrics" and e.format.total == 1.0 for e in evals)
+    expected = 0.5 * 1.0 if choice == "format" else 0.0
+    assert [e.reward for e in evals] == pytest.approx([expected] * len(evals))

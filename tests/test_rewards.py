@@ -197,6 +197,17 @@ def test_challenger_reward_no_valid_solver_rollouts():
     assert challenger_reward(0.6, True, None) == approx(0.3)
 
 
+def test_challenger_reward_when_the_rubrics_never_parsed():
+    """Gates passed, rubric reply unparseable after the retry, so no ḡ: eq. 4 as written keeps the format term
+    (the default); the authors' code gives 0 (`no_rubrics_reward="zero"`). Other outcomes do not change."""
+    assert challenger_reward(0.6, True, None, rubrics_parsed=False) == approx(0.3)
+    assert challenger_reward(0.6, True, None, rubrics_parsed=False, no_rubrics_reward="zero") == 0.0
+    assert challenger_reward(0.6, False, None, rubrics_parsed=False, no_rubrics_reward="zero") == approx(0.3)
+    assert challenger_reward(0.6, True, 0.5, no_rubrics_reward="zero") == approx(1.3)
+    with pytest.raises(ValueError, match="no_rubrics_reward 'half'; choose one of format, zero"):
+        challenger_reward(0.6, True, None, rubrics_parsed=False, no_rubrics_reward="half")
+
+
 def test_challenger_reward_weights_and_target():
     # 0.2 * 0.5 + 2.0 * f_diff(0.45; 0.3) = 0.1 + 2 * 0.5
     assert challenger_reward(0.5, True, 0.45, format_weight=0.2, difficulty_weight=2.0,

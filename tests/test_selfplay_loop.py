@@ -195,6 +195,7 @@ def test_the_notebook_04_tables_read_a_finished_run(two_iterations):
         gate_pass_by_task_type,
         iteration_summary,
         pool_candidates,
+        thinking_stops_per_step,
         time_split,
         training_metrics,
     )
@@ -202,6 +203,11 @@ def test_the_notebook_04_tables_read_a_finished_run(two_iterations):
     params, _ = two_iterations
     metrics = training_metrics(params.run_dir)
     assert sorted(metrics.groupby("role").size().to_dict().items()) == [("challenger", 2), ("solver", 2)]
+    stops = thinking_stops_per_step(metrics)   # the health panel's count per step (the scripted policy plans none)
+    assert len(stops) == 4 and list(stops.index.names) == ["role", "iteration", "step"]
+    assert stops.columns.tolist() == ["stops inside thinking (the role's rollouts)",
+                                      "stops inside thinking (Stage 1's Solver rollouts)"]
+    assert (stops.iloc[:, 0] == 0).all()
     assert metrics[metrics.role == "solver"]["global_step"].tolist() == [1, 2]
     candidates = pool_candidates(params.run_dir)
     assert set(candidates["iteration"]) == {1, 2} and candidates["kept"].any()

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engines import assert_same_completions, chat_prompts, check_contract, forward_logprobs
+from test_engines import (
+    assert_same_completions,
+    chat_prompts,
+    check_contract,
+    continue_a_stop_inside_thinking,
+    forward_logprobs,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.models.engine import Engine, Sampling
@@ -112,6 +118,12 @@ def test_contract_seeds_stops_and_logprobs_match_an_fp32_forward(engine, tokeniz
     for prompt, completion in zip(prompts, engine.generate(prompts, sampling), strict=True):
         reference = forward_logprobs(hf_model, prompt, completion.token_ids, temperature=0.7)
         assert all(got >= ref - 1e-4 for got, ref in zip(completion.logprobs, reference))
+
+
+def test_a_stop_inside_thinking_continues_the_turn(engine, tokenizer, hf_model):
+    """The rollout loop over vLLM: a stop inside thinking continues the turn from its exact tokens (prefix cache
+    or not), next to an fp32 HF forward of the whole turn."""
+    continue_a_stop_inside_thinking(engine, tokenizer, hf_model)
 
 
 def test_eos_ends_the_completion_and_is_not_returned(engine, tokenizer, tiny_vllm_model_dir):

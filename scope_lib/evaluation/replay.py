@@ -75,7 +75,8 @@ def replay_prefix(traj: Trajectory, new_id: str, *, see_thinking: bool, dialect:
     kept_turns = len(traj.turns) - (1 if drop_last else 0)
     cut = traj.turn_spans[kept_turns][0] if drop_last else len(traj.completion_ids)
     messages = [dict(m) for m in (traj.messages[:-1] if drop_last else traj.messages)]
-    n_actions = sum(dialect.parse_search(t).kind != "none" for t in traj.turns[:kept_turns])
+    n_actions = sum(dialect.parse_search(t, starts_in_think=traj.opens_think).kind != "none"
+                    for t in traj.turns[:kept_turns])
     searches = copy.deepcopy(traj.searches[:n_actions])
     meta = {**traj.meta, "search_trajectory_id": traj.id, "prefix_tokens": cut, "kept_turns": kept_turns,
             "see_thinking": see_thinking}
@@ -83,7 +84,8 @@ def replay_prefix(traj: Trajectory, new_id: str, *, see_thinking: bool, dialect:
         return replace(traj, id=new_id, messages=messages, max_searches=max_searches, meta=meta,
                        completion_ids=traj.completion_ids[:cut], env_mask=traj.env_mask[:cut], logprobs=[0.0] * cut,
                        turns=list(traj.turns[:kept_turns]), turn_spans=list(traj.turn_spans[:kept_turns]),
-                       turn_prompt_ids=[], searches=searches, finish="", task=None, answer=None)
+                       turn_prompt_ids=[], searches=searches, finish="", task=None, answer=None,
+                       stops_in_thinking=0)
     visible = [{**m, "content": strip_thinking(m["content"])} if m["role"] == "assistant" else m for m in messages]
     fresh = new_trajectory(new_id, "solver", visible, tokenizer, max_searches=max_searches,
                            meta={**meta, "prefix_tokens": 0})

@@ -10,8 +10,12 @@ Only the search action differs between families; tasks (<task>) and answers (<an
 
 SmolLM2 (ChatML, no tool role in its template) speaks qwen2.5: its searches come back as a user turn.
 
-Parsing is positional, like the models' own servers: the first action outside complete <think> blocks
-is the turn's action. Every parser here is total: it never raises on any text.
+Parsing is positional, like the models' own servers: the first action outside thinking is the turn's action.
+Thinking is what `scope_lib.protocol.parsing` hides from tasks and answers: complete <think> blocks, a block left
+open at the end, and (with `starts_in_think`, when the chat template opened <think>) everything before the first
+</think>. The first closer pairs with the NEAREST opener before it, as tasks and answers do: in
+"I will use <search> now. <search>q</search>" the action is the search for "q". Every parser here is total: it
+never raises on any text.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from scope_lib.protocol.parsing import strip_think
 
 ActionKind = Literal["search", "malformed", "none"]
 
@@ -45,10 +51,6 @@ NO_ACTION = SearchAction("none")
 MALFORMED = SearchAction("malformed")
 
 
-def _outside_think(text: str) -> str:
-    return _THINK_BLOCK.sub(" ", text)
-
-
 @dataclass(frozen=True)
 class Dialect:
     """One model family's protocol. Subclasses differ in the search action and the results turn."""
@@ -69,23 +71,26 @@ class Dialect:
         """The query inside one action's body, or None when the body is unusable."""
         raise NotImplementedError
 
-    def parse_search(self, text: Any) -> SearchAction:
-        """The first search action outside complete <think> blocks (positional parsing)."""
+    def parse_search(self, text: Any, *, starts_in_think: bool = False) -> SearchAction:
+        """The first search action outside thinking (positional parsing): the first closer after an opener, with
+        the nearest opener before it (an opener mentioned earlier in the text is not part of the action).
+        `starts_in_think`: the chat template opened <think> (`parsing.strip_think`)."""
         if not isinstance(text, str):
             return NO_ACTION
-        visible = _outside_think(text)
+        visible = strip_think(text, starts_in_think=starts_in_think)
         start = visible.find(self.search_open)
         if start < 0:
             return NO_ACTION
         end = visible.find(self.search_close, start + len(self.search_open))
         if end < 0:
             return MALFORMED
+        start = visible.rfind(self.search_open, start, end)
         query = self.parse_query(visible[start + len(self.search_open):end])
         return SearchAction("search", query) if query else MALFORMED
 
-    def count_searches(self, turns: list[str]) -> tuple[int, int]:
+    def count_searches(self, turns: list[str], *, starts_in_think: bool = False) -> tuple[int, int]:
         """(valid, malformed) search actions over assistant turns, one action per turn at most."""
-        kinds = [self.parse_search(t).kind for t in turns]
+        kinds = [self.parse_search(t, starts_in_think=starts_in_think).kind for t in turns]
         return kinds.count("search"), kinds.count("malformed")
 
     # -- stop strings ------------------------------------------------------------------------------

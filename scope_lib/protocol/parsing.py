@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = [
     "PRIORITIES", "DEFAULT_PRIORITY", "Rubric", "extract_task", "extract_answer", "parse_rubrics",
-    "parse_score", "strip_think", "count_think_blocks", "has_think", "starts_with_think",
+    "parse_score", "strip_think", "count_think_blocks", "has_think", "starts_with_think", "ends_in_think",
 ]
 
 THINK_OPEN = "<think>"
@@ -54,8 +54,9 @@ class Rubric:
 # -- thinking ----------------------------------------------------------------------------------------
 
 
-def _scan_think(text: str, starts_in_think: bool = False) -> tuple[list[str], int]:
-    """Split text into its visible pieces. Returns (visible pieces, number of complete think blocks)."""
+def _scan_think(text: str, starts_in_think: bool = False) -> tuple[list[str], int, bool]:
+    """Split text into its visible pieces. Returns (visible pieces, number of complete think blocks, whether the
+    text ends inside an open think block)."""
     pieces: list[str] = []
     blocks = 0
     inside = starts_in_think
@@ -77,7 +78,7 @@ def _scan_think(text: str, starts_in_think: bool = False) -> tuple[list[str], in
         # any later stray </think> stays in the visible text
     if not inside:
         pieces.append(text[pos:])
-    return pieces, blocks
+    return pieces, blocks, inside
 
 
 def strip_think(text: Any, *, starts_in_think: bool = False) -> str:
@@ -98,6 +99,14 @@ def count_think_blocks(text: Any, *, starts_in_think: bool = False) -> int:
 def has_think(text: Any, *, starts_in_think: bool = False) -> bool:
     """True when the text holds at least one complete thinking block (F.1/F.2 think component)."""
     return count_think_blocks(text, starts_in_think=starts_in_think) > 0
+
+
+def ends_in_think(text: Any, *, starts_in_think: bool = False) -> bool:
+    """True when the text ends inside an open thinking block: an opener (or, with ``starts_in_think=True``, the
+    chat template's) that no ``</think>`` has closed yet. Whatever the model writes next is still thinking."""
+    if not isinstance(text, str):
+        return False
+    return _scan_think(text, starts_in_think)[2]
 
 
 def starts_with_think(text: Any, *, starts_in_think: bool = False) -> bool:

@@ -23,7 +23,7 @@ from scope_lib.protocol.parsing import has_think
 
 __all__ = [
     "FormatScore", "LengthPenalty", "PAPER_LENGTH_PENALTY", "DIFFICULTY_SHAPES", "rubric_score", "difficulty_reward",
-    "length_penalty", "search_reward", "challenger_reward", "solver_reward", "challenger_format",
+    "length_penalty", "search_reward", "challenger_reward", "NO_RUBRICS_REWARDS", "solver_reward", "challenger_format",
     "solver_format", "group_advantages",
 ]
 
@@ -261,16 +261,29 @@ def _format_total(format_score: float | FormatScore) -> float:
 # -- eq. 4 -------------------------------------------------------------------------------------------
 
 
+#: R_C of a task whose rubrics never parsed (`challenger.no_rubrics_reward`): the format term of eq. 4 (the paper
+#: is silent; eq. 4 as written) or 0 (the authors' code).
+NO_RUBRICS_REWARDS: tuple[str, ...] = ("format", "zero")
+
+
 def challenger_reward(format_score: float | FormatScore, gates_passed: bool, mean_solver_score: float | None,
                       *, format_weight: float = 0.5, difficulty_weight: float = 1.0,
-                      target: float = 0.5, shape: str = "tent") -> float:
+                      target: float = 0.5, shape: str = "tent", rubrics_parsed: bool = True,
+                      no_rubrics_reward: str = "format") -> float:
     """R_C = λ_fmt·r_fmt + λ_diff·1[QG]·f_diff(ḡ; τ) (eq. 4).
 
     A rollout with r_fmt = 0 gets 0 (F.1). A failed gate, or no valid Solver rollouts to average
     (`mean_solver_score` None), leaves the format term only. `shape` picks f_diff (`difficulty_reward`).
+    A task that passed the gates but whose rubric reply never parsed (`rubrics_parsed=False`) has no ḡ: it keeps
+    the format term (`no_rubrics_reward="format"`, eq. 4 as written) or gets 0 (`"zero"`, the authors' code).
     """
+    if no_rubrics_reward not in NO_RUBRICS_REWARDS:
+        raise ValueError(f"unknown no_rubrics_reward {no_rubrics_reward!r}; choose one of "
+                         f"{', '.join(NO_RUBRICS_REWARDS)}")
     fmt = _format_total(format_score)
     if fmt == 0.0:
+        return 0.0
+    if gates_passed and not rubrics_parsed and no_rubrics_reward == "zero":
         return 0.0
     difficulty = 0.0
     if gates_passed and mean_solver_score is not None:

@@ -359,6 +359,23 @@ def learning_signals_figure(metrics) -> Any:
     return fig
 
 
+#: Per-step counts of stops that fell inside thinking (metrics.jsonl columns; the turn went on instead of ending,
+#: `selfplay.rollout.stopped_in_thinking`), with the panel's column titles.
+THINKING_STOPS = {"stops_in_thinking": "stops inside thinking (the role's rollouts)",
+                  "solver_stops_in_thinking": "stops inside thinking (Stage 1's Solver rollouts)"}
+
+
+def thinking_stops_per_step(metrics) -> Any:
+    """Notebook 04's health panel: per role, iteration and step, how many stop strings fell inside an open
+    <think> block (a plan naming `</answer>`, `</task>` or the search closer) and so continued the turn instead of
+    ending it. None when the metrics hold no such count (a run written before it was recorded)."""
+    present = [c for c in THINKING_STOPS if len(metrics) and c in metrics and metrics[c].notna().any()]
+    if not present:
+        return None
+    table = metrics.set_index(["role", "iteration", "step"])[present]
+    return table.fillna(0).astype(int).rename(columns=THINKING_STOPS)
+
+
 def learning_check_table(check) -> Any:
     """One row per checkpoint of a learning check (`evaluation.learning_check.LearningCheck.table`)."""
     import pandas as pd

@@ -185,7 +185,8 @@ def science_yaml(params: Params) -> str:
     but the documents the check holds out from training count), `model.loader` (transformers and Unsloth load the
     same M0 and the same adapters: a run resumes with either) and `judge.calibration` (a probe of the grader when
     the run opens: it changes no grade). Options added after runs existed are left out at their default
-    (`grpo.reward_control: none`, no held-out documents), so those runs still resume."""
+    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, no held-out documents), so those runs
+    still resume."""
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items()
@@ -194,6 +195,8 @@ def science_yaml(params: Params) -> str:
     science["judge"].pop("calibration")
     if science["grpo"]["reward_control"] == "none":
         science["grpo"].pop("reward_control")
+    if science["challenger"]["no_rubrics_reward"] == "format":
+        science["challenger"].pop("no_rubrics_reward")
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)
@@ -369,7 +372,8 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
                  "judge_calls": judge_after["calls"] - judge_before["calls"],
                  "time_generation_s": written.generation_s + solved.generation_s,
                  "time_retrieval_s": written.retrieval_s + solved.retrieval_s,
-                 "time_judge_s": judge_after["seconds"] - judge_before["seconds"]}
+                 "time_judge_s": judge_after["seconds"] - judge_before["seconds"],
+                 "stops_in_thinking": written.stops_in_thinking + solved.stops_in_thinking}
         traj_records = {q.id: q.to_record() for q in trajectories}
         gathered = ranks.gather([(evals, traj_records, costs)])  # every rank's share, in prompt order
         evals = [e for share, _, _ in gathered for e in share]
@@ -390,6 +394,7 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
                             "in_window": len(kept), "kept": len(kept_ids),
                             "yield": len(kept) / len(evals) if evals else 0.0,
                             "engine_calls": costs["engine_calls"], "judge_calls": costs["judge_calls"],
+                            "stops_in_thinking": costs["stops_in_thinking"],
                             "time_total_s": time.perf_counter() - started,
                             **{key: costs[key] for key in ("time_generation_s", "time_retrieval_s", "time_judge_s")}}])
         kept_per_batch[k], n_candidates = len(kept_ids), n_candidates + len(evals)

@@ -1,13 +1,18 @@
 """Batched multi-turn rollouts for the Challenger and the Solver (paper §3.1, Appendices E-G).
 
-Each turn makes ONE engine call for every live trajectory and ONE batched retrieval call for every search
-those trajectories asked for; finished trajectories drop out. A Trajectory keeps the token ids exactly as
+Each round makes ONE engine call for every live trajectory and ONE batched retrieval call for every search
+those trajectories asked for; finished trajectories drop out. A round is one assistant turn for each of them,
+except that a stop string falling inside an open <think> block (a thinking model naming `</answer>` in its plan)
+does not end the turn: that trajectory continues the same turn in the next round's batched call, from the
+exact tokens it has so far, until a stop outside thinking, the turn's token budget or end of sequence
+(counted per trajectory and per batch as `stops_in_thinking`). A Trajectory keeps the token ids exactly as
 the engine sampled them (model output is never re-tokenised), an env mask (1 = model token, 0 = tokens
 the environment wrote: chat headers, retrieved information, instructions) and the sampled logprobs.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -63,6 +68,7 @@ class Trajectory:
     finish: str = ""
     task: str | None = None
     answer: str | None = None
+    stops_in_thinking: int = 0   # stops that fell inside an open <think> block: the turn went on instead
 
     @property
     def done(self) -> bool:
@@ -119,10 +125,13 @@ class RolloutLimits:
 
 @dataclass
 class RolloutStats:
-    """What a batch of rollouts cost: engine and retrieval calls, tokens, and where the time went."""
+    """What a batch of rollouts cost: engine and retrieval calls, tokens, and where the time went. `turns` is the
+    most assistant turns any rollout took in the call; `engine_calls` the rounds (more than `turns` when a stop
+    inside thinking continued a turn); `stops_in_thinking` how many stops inside thinking did not end a turn."""
 
     turns: int = 0
     engine_calls: int = 0
+    stops_in_thinking: int = 0
     retrieval_calls: int = 0
     generated_tokens: int = 0
     generation_s: float = 0.0
@@ -296,7 +305,8 @@ def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] |
 
 def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retriever, dialect: Dialect,
                  limits: RolloutLimits, *, adapter: str | None = None) -> RolloutStats:
-    """Roll every trajectory forward until it ends; mutates them in place and returns the cost."""
+    """Roll every trajectory forward until it ends; mutates them in place and returns the cost. `limits.max_turns`
+    counts the turns taken in this call (a replay or a forced answer continues a rollout that has turns already)."""
     tokenizer = engine.tokenizer
     stats = RolloutStats()
     started = time.perf_counter()
@@ -305,29 +315,20 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
     for traj in trajectories:
         if len(traj.prompt_ids) > limits.max_prompt_tokens:
             traj.finish = "prompt_too_long"
-    for turn in range(limits.max_turns):
-        live = [t for t in trajectories if not t.done]
-        contexts, budgets = [], []
-        for traj in live:
-            context = _context(traj, dialect, tokenizer)
-            budget = min(limits.max_new_tokens_per_turn,
-                         limits.max_response_tokens - len(traj.completion_ids),
-                         limits.max_model_len - len(context))
-            if budget <= 0:
-                traj.finish = "budget"
-                continue
-            contexts.append((traj, context))
-            budgets.append(budget)
+    resuming: set[int] = set()   # id() of trajectories whose turn stopped inside thinking: it goes on
+    before = {id(t): len(t.turns) for t in trajectories}   # turns count from here (a replay continues a rollout)
+    for round_ in itertools.count():
+        contexts, budgets = _round_requests([t for t in trajectories if not t.done], resuming, before, dialect,
+                                            tokenizer, limits)
         if not contexts:
             break
         sampling = Sampling(max_new_tokens=max(budgets), temperature=limits.temperature, top_p=limits.top_p,
                             stop=tuple(stops),
-                            seed=None if limits.seed is None else limits.seed + turn)
+                            seed=None if limits.seed is None else limits.seed + round_)
         t0 = time.perf_counter()
         completions = engine.generate([c for _, c in contexts], sampling, adapter=adapter)
         stats.generation_s += time.perf_counter() - t0
         stats.engine_calls += 1
-        stats.turns += 1
         searches: list[tuple[Trajectory, str]] = []
         malformed: list[Trajectory] = []
         for (traj, context), budget, completion in zip(contexts, budgets, completions, strict=True):
@@ -336,13 +337,18 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
                 ids, logprobs, finish = ids[:budget], (logprobs or [])[:budget] or None, "length"
             text = completion.text if len(ids) == len(completion.token_ids) else tokenizer.decode(ids)
             stats.generated_tokens += len(ids)
-            traj.turn_prompt_ids.append(context)
-            start = len(traj.completion_ids)
-            _append(traj, ids, 1, list(logprobs) if logprobs is not None else None)
-            traj.turn_spans.append((start, len(traj.completion_ids)))
-            traj.turns.append(text)
-            traj.messages.append({"role": "assistant", "content": text})
-            action = dialect.parse_search(text)
+            _record_segment(traj, context, ids, logprobs, text, resume=id(traj) in resuming)
+            resuming.discard(id(traj))
+            if finish == "stop" and stopped_in_thinking(traj.turns[-1], stops, traj.opens_think):
+                if ids and len(ids) < budget:   # room left in this turn: it goes on in the next round
+                    resuming.add(id(traj))
+                    traj.stops_in_thinking += 1
+                    stats.stops_in_thinking += 1
+                    continue
+                finish = "length"               # the turn's budget ran out inside thinking
+            turn = len(traj.turns) - 1 - before[id(traj)]   # this call's turn index (max_turns counts these)
+            text = traj.turns[-1]
+            action = dialect.parse_search(text, starts_in_think=traj.opens_think)
             decision, reason = _decide(traj, text, action)
             if decision != "end" and not _can_continue(traj, turn, limits):
                 decision, reason = "end", "turn_limit"   # no retrieval for a turn that cannot be followed
@@ -361,8 +367,9 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             stats.retrieval_calls += 1
             formatted = format_results_batch(hits, tokenizer, limits.max_result_tokens)
             for (traj, query), found, results in zip(searches, hits, formatted, strict=True):
-                traj.searches.append(SearchRecord(turn=turn, query=query, valid=True,
-                                                  hit_ids=[h.id for h in found], results=results))
+                turn = len(traj.turns) - 1 - before[id(traj)]
+                traj.searches.append(SearchRecord(turn=turn, query=query, valid=True, hit_ids=[h.id for h in found],
+                                                  results=results))
                 replies.append((traj, results))
         _add_environment(replies, dialect, tokenizer)
     for traj in trajectories:
@@ -370,8 +377,60 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             traj.finish = "max_turns"
         _finalise(traj)
         stats.finishes[traj.finish] = stats.finishes.get(traj.finish, 0) + 1
+    stats.turns = max((len(t.turns) - before[id(t)] for t in trajectories), default=0)
     stats.total_s = time.perf_counter() - started
     return stats
+
+
+def _round_requests(live: list[Trajectory], resuming: set[int], before: dict[int, int], dialect: Dialect, tokenizer,
+                    limits: RolloutLimits) -> tuple[list[tuple[Trajectory, list[int]]], list[int]]:
+    """Each live trajectory's context and token budget for this round: a new turn, or the rest of a turn that
+    stopped inside thinking (its context is the turn's own context plus every token the turn has so far). A
+    trajectory with no turn or no token left ends here."""
+    contexts, budgets = [], []
+    for traj in live:
+        if id(traj) in resuming:
+            start = traj.turn_spans[-1][0]
+            context = traj.turn_prompt_ids[-1] + traj.completion_ids[start:]
+            used = len(traj.completion_ids) - start
+        elif len(traj.turns) - before[id(traj)] >= limits.max_turns:
+            traj.finish = "max_turns"
+            continue
+        else:
+            context, used = _context(traj, dialect, tokenizer), 0
+        budget = min(limits.max_new_tokens_per_turn - used,
+                     limits.max_response_tokens - len(traj.completion_ids),
+                     limits.max_model_len - len(context))
+        if budget <= 0:
+            traj.finish = "budget"
+            continue
+        contexts.append((traj, context))
+        budgets.append(budget)
+    return contexts, budgets
+
+
+def _record_segment(traj: Trajectory, context: list[int], ids: list[int], logprobs: list[float] | None, text: str,
+                    *, resume: bool) -> None:
+    """Append sampled tokens to the trajectory: a new assistant turn, or (resume) more of the current one."""
+    start = traj.turn_spans[-1][0] if resume else len(traj.completion_ids)
+    _append(traj, ids, 1, list(logprobs) if logprobs is not None else None)
+    if resume:
+        traj.turn_spans[-1] = (start, len(traj.completion_ids))
+        traj.turns[-1] += text
+        traj.messages[-1] = {**traj.messages[-1], "content": traj.turns[-1]}
+        return
+    traj.turn_prompt_ids.append(context)
+    traj.turn_spans.append((start, len(traj.completion_ids)))
+    traj.turns.append(text)
+    traj.messages.append({"role": "assistant", "content": text})
+
+
+def stopped_in_thinking(turn_text: str, stops: tuple[str, ...] | list[str], starts_in_think: bool = False) -> bool:
+    """Whether the stop string that ended this turn's text (its last one) falls inside an open <think> block:
+    a thinking model naming the tag it will use later, which must not end the turn."""
+    found = [turn_text.rfind(s) for s in stops if s]
+    at = max(found, default=-1)
+    return at >= 0 and parsing.ends_in_think(turn_text[:at], starts_in_think=starts_in_think)
 
 
 def _can_continue(traj: Trajectory, turn: int, limits: RolloutLimits) -> bool:

@@ -118,14 +118,14 @@ class GradedSolverRollout:
 
 def challenger_format(traj: Trajectory, dialect: Dialect) -> rewards.FormatScore:
     """F.1: think, tool and structure components from the decoded turns."""
-    valid, malformed = dialect.count_searches(traj.turns)
+    valid, malformed = dialect.count_searches(traj.turns, starts_in_think=traj.opens_think)
     return rewards.challenger_format(traj.turns, traj.expected_searches or 0, valid, malformed, traj.task,
                                      starts_in_think=traj.opens_think)
 
 
 def solver_format(traj: Trajectory, dialect: Dialect) -> rewards.FormatScore:
     """F.2: think, tool (non-final turns) and answer components."""
-    valid_nonfinal, _ = dialect.count_searches(traj.turns[:-1])
+    valid_nonfinal, _ = dialect.count_searches(traj.turns[:-1], starts_in_think=traj.opens_think)
     return rewards.solver_format(traj.turns, valid_nonfinal, traj.answer, starts_in_think=traj.opens_think)
 
 
@@ -197,7 +197,9 @@ def evaluate_tasks(challengers: list[Trajectory], prompts: dict[str, ChallengerP
         e.mean_score = sum(e.solver_scores) / len(runs) if runs else None
         e.reward = rewards.challenger_reward(e.format.total, e.gates_passed, e.mean_score,
                                              format_weight=c.format_weight, difficulty_weight=c.difficulty_weight,
-                                             target=c.difficulty_target, shape=c.reward_shape)
+                                             target=c.difficulty_target, shape=c.reward_shape,
+                                             rubrics_parsed=e.rubrics is not None,
+                                             no_rubrics_reward=c.no_rubrics_reward)
     return evals, graded, stats
 
 
@@ -280,7 +282,8 @@ def solver_rewards(graded: list[GradedSolverRollout], params: Params, dialect: D
         traj = g.trajectory
         g.format = solver_format(traj, dialect)
         n_answer = len(tokenizer.encode(traj.answer, add_special_tokens=False)) if traj.answer else 0
-        n_searches, _ = dialect.count_searches(traj.turns)  # F.2: well-formed searches in ALL turns
+        # F.2: well-formed searches in ALL turns
+        n_searches, _ = dialect.count_searches(traj.turns, starts_in_think=traj.opens_think)
         g.reward = rewards.solver_reward(g.rubric_score, n_answer, g.format.total, n_searches,
                                          accuracy_weight=s.accuracy_weight, format_weight=s.format_weight,
                                          search_weight=s.search_weight, length=length,

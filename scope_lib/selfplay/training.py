@@ -399,7 +399,8 @@ def trajectory_rows(trajectories: list[Trajectory], tokenizer, *, per_turn: bool
 
 
 def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Searches, turns, truncation and empty retrievals of a batch of rollouts."""
+    """Searches, turns, truncation and empty retrievals of a batch of rollouts, and how many stops fell inside
+    thinking (the turn went on: `rollout.stopped_in_thinking`), a count for the health panel."""
     n = max(1, len(trajectories))
     searches = [s for t in trajectories for s in t.searches if s.valid]
     return {"rollouts": len(trajectories),
@@ -408,7 +409,8 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
             "model_tokens_per_rollout": sum(t.n_model_tokens for t in trajectories) / n,
             "truncation_rate": sum(t.finish in ("length", "budget") for t in trajectories) / n,
             "empty_retrieval_rate": (sum(not s.hit_ids for s in searches) / len(searches)) if searches else 0.0,
-            "never_ran": sum(never_ran(t) for t in trajectories)}
+            "never_ran": sum(never_ran(t) for t in trajectories),
+            "stops_in_thinking": sum(t.stops_in_thinking for t in trajectories)}
 
 
 @dataclass
@@ -539,7 +541,8 @@ class RoleSession:
             "mean_rubric_score": _mean(scored) if scored else None,
             "difficulty": _mean([rewards.difficulty_reward(g, c.difficulty_target, c.reward_shape)
                                  for g in scored]) if scored else None,
-            "solver_rollouts": len(graded), "solver_rollout_s": solver_stats.total_s}
+            "solver_rollouts": len(graded), "solver_rollout_s": solver_stats.total_s,
+            "solver_stops_in_thinking": solver_stats.stops_in_thinking}
 
     def _solver_rewards(self, trajectories: list[Trajectory], step: int):
         ctx = self.ctx
@@ -567,8 +570,9 @@ class RoleSession:
             "format_tool": _mean([g.format.tool for g in graded]),
             "format_answer": _mean([g.format.answer for g in graded]),
             "length_multiplier": _mean([length(n) if s.length_penalty else 1.0 for n in answer_tokens]),
-            "search_reward": _mean([rewards.search_reward(ctx.dialect.count_searches(g.trajectory.turns)[0],
-                                                          s.search_saturation) for g in graded]),
+            "search_reward": _mean([rewards.search_reward(
+                ctx.dialect.count_searches(g.trajectory.turns, starts_in_think=g.trajectory.opens_think)[0],
+                s.search_saturation) for g in graded]),
             "answer_tokens": _mean(answer_tokens)}
 
     def _new_trajectory(self, item_id: str, traj_id: str) -> Trajectory:
@@ -645,7 +649,7 @@ def permute_rewards(values: list[float | None], seed: int) -> list[float | None]
 
 #: Per-step numbers that add up over ranks; "*_s" times take the slowest rank; the rest are per-rollout means.
 SUMMED = ("engine_calls", "retrieval_calls", "generated_tokens", "rollouts", "never_ran", "unscored_rows",
-          "solver_rollouts", "judge_calls", "judge_prompts")
+          "solver_rollouts", "judge_calls", "judge_prompts", "stops_in_thinking", "solver_stops_in_thinking")
 
 
 def combine_ranks(shares: list[dict[str, Any]]) -> dict[str, Any]:
