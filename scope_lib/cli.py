@@ -35,6 +35,7 @@ import sqlite3
 import sys
 
 from scope_lib.config import ParamsError, describe_fields, load_params
+from scope_lib.models.noise import quiet_library_noise
 
 log = logging.getLogger("scope")
 DEFAULT_PARAMS = "params/smoke.yaml"
@@ -442,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_library_noise()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.debug:
         return args.func(args)

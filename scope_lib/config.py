@@ -748,6 +748,10 @@ class Params(Section):
         path = Path(os.path.expandvars(os.path.expanduser(self.retrieval.corpus)))
         return path if path.is_absolute() else self.data_dir / path
 
+    def show_path(self, path: str | os.PathLike) -> str:
+        """`path` as a report prints it: never an absolute path of this machine (`display_path`)."""
+        return display_path(path, run_dir=self.run_dir, data_dir=self.data_dir)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -757,6 +761,27 @@ def cache_dir(kind: str) -> Path:
     ~/.cache/scope/<kind>. Everything there can be deleted; it is rebuilt on next use."""
     base = os.environ.get("SCOPE_CACHE_DIR")
     return (Path(os.path.expanduser(base)) if base else Path.home() / ".cache" / "scope") / kind
+
+
+def display_path(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,
+                 data_dir: str | os.PathLike | None = None) -> str:
+    """A path as a shared report shows it, without the machine's folders: relative to the current folder (the
+    repository root in a notebook) when it lies there, else the run folder's name then the path inside it
+    (`smoke/explore`), else the data directory's name then the path inside it (`data/wiki18_sample.jsonl`),
+    else `~/...` under the home folder, else the file's name alone. A relative path is shown as it is."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    p = p.resolve()
+    for base, prefix in ((Path.cwd(), None), (run_dir, "name"), (data_dir, "name"), (Path.home(), "~")):
+        if base is None:
+            continue
+        base = Path(base).resolve()
+        if p == base or base in p.parents:
+            inside = p.relative_to(base)
+            head = base.name if prefix == "name" else prefix
+            return str(Path(head, inside)) if head else (str(inside) if inside.parts else ".")
+    return p.name
 
 
 def resolve_data_dir(configured: str | None = None) -> Path:

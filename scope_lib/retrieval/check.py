@@ -97,7 +97,7 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     where = cfg.server_url if cfg.backend == "http" else str(params.run_dir)
     report = CheckReport(cfg.backend, cfg.faiss_factory if cfg.backend == "faiss" else where)
     corpus = Path(params.corpus_path)
-    if not report.add("corpus", corpus.is_file(), str(corpus) if corpus.is_file() else
+    if not report.add("corpus", corpus.is_file(), params.show_path(corpus) if corpus.is_file() else
                       f"{corpus} not found: the canaries come from the corpus (`scope data fetch`)"):
         corpus = None
     embedder = make_embedder(cfg) if cfg.backend != "bm25" else None
