@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 TaskType = Literal["long_form_qa", "summarisation", "planning", "writing", "short_form_qa"]
 Gate = Literal["entity_identifiability", "source_relevance", "answerability"]
 Backend = Literal["hf", "vllm", "openai"]
+#: The search dialects of `protocol.dialects.DIALECTS` (paper Table 11), named here so the params are checked when
+#: they are read; tests/test_dialects.py fails when the two lists differ.
+DialectName = Literal["qwen2.5", "qwen3", "olmo3"]
+DialectChoice = Literal[("auto", *DialectName.__args__)]   # model.dialect: a dialect, or detected from the model
 
 #: The paper's four training task types (§4.1); short-form QA is defined but not used.
 PAPER_TASK_TYPES: list[str] = ["long_form_qa", "summarisation", "planning", "writing"]
@@ -57,7 +61,7 @@ class WarmStartConfig(Section):
     batch_size: int = Field(8, ge=1, description="Sequences per SFT step.")
     threads: int = Field(2, ge=1, description="torch threads of the SFT run: on 2 CPU cores 2 threads build in "
                          "170 s, 1 thread in 235 s, with bit-identical weights (so it is not part of the cache key).")
-    dialects: list[Literal["qwen2.5", "qwen3", "olmo3"]] = Field(
+    dialects: list[DialectName] = Field(
         ["qwen2.5"], min_length=1, description="Search dialects of the traces (Table 11): model.dialect of "
         "the runs that use this model.")
     embedder: Literal["hashing", "minilm-offline"] = Field(
@@ -155,7 +159,7 @@ class ModelConfig(Section):
         "Unsloth's FastLanguageModel (from_pretrained, get_peft_model; needs the `unsloth` extra and LoRA). "
         "Same LoRA settings and PEFT adapter files either way, so a run moves between loaders. Evaluation "
         "and replay load M0 with transformers or vLLM.")
-    dialect: Literal["auto", "qwen2.5", "qwen3", "olmo3"] = Field(
+    dialect: DialectChoice = Field(
         "auto", description="Search-action syntax (Table 11); 'auto' detects it from `base`.")
     finetuning: Literal["lora", "full"] = Field(
         "lora", description="'lora': Challenger and Solver are adapters on one frozen M0 (one GPU); "

@@ -31,7 +31,7 @@ from scope_lib.retrieval.api import IndexCheckError
 from scope_lib.retrieval.corpus import GZIP_MAGIC, Passage, iter_passages
 from scope_lib.retrieval.embedders import make_embedder
 from scope_lib.retrieval.http_client import HttpRetriever
-from scope_lib.retrieval.index import cached_corpus_sha256, index_path, open_index, store_path
+from scope_lib.retrieval.index import cached_corpus_sha256, corpus_sha_cache, open_index
 
 if TYPE_CHECKING:
     from scope_lib.config import Params
@@ -129,7 +129,7 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     elif corpus is None:
         report.add("fingerprint", None, "no local corpus to compare with")
     else:
-        wanted = {"scope_corpus_sha256": cached_corpus_sha256(corpus, _sha_cache(params)),
+        wanted = {"scope_corpus_sha256": cached_corpus_sha256(corpus, corpus_sha_cache(params)),
                   "scope_max_passages": cfg.max_passages or 0}
         if embedder is not None:
             wanted.update(scope_embedder=embedder.name(), scope_embedder_model=embedder.model_id)
@@ -213,16 +213,6 @@ def _canary_rows(report: CheckReport, canaries: list[Passage], hits: list[list[A
         return
     report.add("results", not problems, "; ".join(problems[:4]) if problems else
                f"{expected} distinct hits per query, finite scores best first")
-
-
-def _sha_cache(params: Params) -> Path:
-    """Where the build remembered the corpus checksum (so a check does not hash 14 GB again)."""
-    cfg = params.retrieval
-    if cfg.backend in ("faiss", "bm25"):
-        return store_path(params)
-    if cfg.backend == "chroma" and cfg.chroma_mode == "embedded":
-        return index_path(params)
-    return Path(params.run_dir)
 
 
 def _count(retriever: Any) -> int | None:
