@@ -63,6 +63,7 @@ def _free_port() -> int:
 @pytest.fixture
 def jupyterlab(tmp_path, shared_data):
     """`python -m jupyterlab` from this environment on a loopback port, rooted at the repository; its URL and token."""
+    pytest.importorskip("jupyterlab", reason="JupyterLab is not installed (the `notebooks` extra; make install has it)")
     for name, values in SETTINGS.items():
         path = tmp_path / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
