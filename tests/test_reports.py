@@ -265,8 +265,9 @@ def test_reports_hold_no_library_noise_and_no_local_paths(report_run):
             for text in _output_texts(output):
                 leaked = [p for p in paths if p in text]
                 assert leaked == [], (notebook.name, leaked, text[:300])
-        html_text = notebook.with_suffix(".html").read_text()
-        assert [p for p in paths if p in html_text] == [], notebook.name
+        for shared in (notebook, notebook.with_suffix(".html")):   # metadata included
+            text = shared.read_text()
+            assert [p for p in paths if p in text] == [], (shared.name, [p for p in paths if p in text])
     run_log = REPO / load_params(REPO / "params" / "smoke.yaml").run_dir / RUN_LOG
     assert "INFO scope_lib.retrieval.server: retrieval warm-up search" in run_log.read_text()
 
