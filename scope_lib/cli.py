@@ -38,6 +38,7 @@ import sqlite3
 import sys
 
 from scope_lib.config import ParamsError, describe_fields, load_params
+from scope_lib.models.noise import quiet_library_noise
 
 log = logging.getLogger("scope")
 DEFAULT_PARAMS = "params/smoke.yaml"
@@ -464,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     from scope_lib.runs import Stopped, stop_on_sigterm
 
     args = build_parser().parse_args(argv)
+    quiet_library_noise()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if argv is None and args.command != "serve":  # the command line (not a caller's main([...])); a server stops
         stop_on_sigterm()                             # on SIGTERM as it always did

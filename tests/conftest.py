@@ -105,6 +105,23 @@ def passages(wiki_sample):
     return read_corpus(wiki_sample).passages
 
 
+#: The browser the report and JupyterLab tests drive (Debian's Chromium; `make chromium` installs it).
+CHROMIUM = Path(os.environ.get("SCOPE_CHROMIUM", "/usr/bin/chromium"))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium driven by playwright (the system browser: playwright downloads none)."""
+    if not CHROMIUM.is_file():
+        pytest.skip(f"no Chromium at {CHROMIUM}: `make chromium` installs Debian's package (make test does)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=str(CHROMIUM))
+        yield launched
+        launched.close()
+
+
 #: The notebooks the report tests execute (the quick ones; 04 trains, 05 and 06 evaluate).
 REPORT_NOTEBOOKS = ["01", "02", "03"]
 

@@ -90,3 +90,108 @@ def test_learning_signals_figure_per_step_and_role():
     assert fig.layout.xaxis3.title.text == "step (all iterations)"
     assert learning_signals_figure(metrics.drop(columns=["entropy"])).layout.annotations[1].text == "mean reward"
     assert learning_signals_figure(pd.DataFrame()) is None
+
+
+def _steps(n: int = 3):
+    """Training metrics of one iteration, n steps per role, as `training_metrics` returns them."""
+    import pandas as pd
+
+    return pd.DataFrame([{"role": role, "iteration": 1, "step": k, "global_step": k, "reward": 0.5 + k / 100,
+                          "format": 0.9, "rubric_score": 0.4, "searches_per_rollout": 1.0 + k / 3,
+                          "answer_tokens": 40 + k, "zero_spread_share": 0.5, "entropy": 1.0}
+                         for role in ("challenger", "solver") for k in range(1, n + 1)])
+
+
+def _drawn_ticks(axis, low: float, high: float) -> list[float]:
+    """The tick values plotly draws on a linear axis from its tick0 and dtick."""
+    ticks, value = [], float(axis.tick0)
+    while value <= high:
+        if value >= low:
+            ticks.append(value)
+        value += float(axis.dtick)
+    return ticks
+
+
+@pytest.mark.parametrize("span, step", [(0, 1), (2, 1), (10, 1), (11, 2), (24, 5), (99, 10), (400, 50)])
+def test_whole_number_tick_steps(span, step):
+    from scope_lib.reports.analysis import whole_number_step
+
+    assert whole_number_step(span) == step
+
+
+@pytest.mark.parametrize("n_steps", [2, 3, 24])
+def test_step_and_iteration_axes_tick_at_whole_numbers(n_steps):
+    """Every figure whose x axis counts steps or iterations ticks at whole numbers (plotly's own ticks put 1.2,
+    1.4, … between two steps) and prints them without decimals."""
+    import pandas as pd
+
+    from scope_lib.reports.analysis import (
+        iteration_figure,
+        learning_signals_figure,
+        reward_components_figure,
+        step_figure,
+    )
+
+    metrics = _steps(n_steps)
+    summary = pd.DataFrame([{"iteration": 1, "solver rubric score": 0.5}])
+    figures = {"reward components": reward_components_figure(metrics, "solver"),
+               "searches per step": step_figure(metrics, "solver", "searches_per_rollout", "t", "searches"),
+               "rubric score per iteration": iteration_figure(summary, "solver rubric score", "t", "g"),
+               "learning signals": learning_signals_figure(metrics)}
+    for name, fig in figures.items():
+        axes = [fig.layout[key] for key in fig.layout if key.startswith("xaxis")]
+        assert axes, name
+        for axis in axes:
+            assert axis.tickformat == "d" and axis.dtick is not None and float(axis.dtick).is_integer(), (name, axis)
+            low, high = (1, 1) if "iteration" in name else (1, n_steps)
+            ticks = _drawn_ticks(axis, low, high)
+            assert ticks and all(t.is_integer() for t in ticks) and len(ticks) <= 10, (name, ticks)
+            assert ticks[0] == low, (name, ticks)
+    assert step_figure(metrics[metrics["role"] == "challenger"], "solver", "answer_tokens", "t", "a") is None
+    assert iteration_figure(summary.assign(**{"solver rubric score": None}), "solver rubric score", "t", "g") is None
+
+
+def test_training_result_line():
+    import pandas as pd
+
+    from scope_lib.reports.analysis import training_result
+
+    metrics = _steps(3)
+    candidates = pd.DataFrame({"kept": [True, False, True, False, False]})
+    assert training_result(metrics, candidates, 0) == "pool 2 of 5 candidates, R_S 0.51 → 0.53 over 3 Solver steps, 0 alarms"
+    assert training_result(pd.DataFrame(), pd.DataFrame(), 1) == "no candidate tasks, no Solver step, 1 alarm"
+
+
+def test_evaluation_result_line():
+    """Notebook 05's line: the last checkpoint's scores per benchmark, EM beside the judged score, an untrusted
+    judge said so."""
+    from scope_lib.evaluation.benchmarks import BENCHMARKS
+    from scope_lib.reports.analysis import evaluation_result
+
+    def summary(checkpoint, benchmark, value, trusted, em=None):
+        scorers = {"scope_paper": {"value": value, "trusted": trusted}}
+        if em is not None:
+            scorers["official"] = {"metrics": {"em": em, "f1": em}}
+        return {"checkpoint": checkpoint, "benchmark": benchmark, "scorers": scorers}
+
+    short, open_ended = "nq", next(n for n, b in BENCHMARKS.items() if b.kind != "short_form")
+    summaries = [summary("base", short, 0.5, True, 0.0), summary("iter_01", short, 1.0, False, 0.0),
+                 summary("iter_01", open_ended, None, None)]
+    line = evaluation_result(summaries)
+    assert line == (f"iter_01: {BENCHMARKS['nq'].column} EM 0.00, judged 1.00 (judge untrusted); "
+                    f"{BENCHMARKS[open_ended].column} not scored")
+    assert evaluation_result(summaries, "base") == f"base: {BENCHMARKS['nq'].column} EM 0.00, judged 0.50"
+    assert evaluation_result([]) == "nothing evaluated"
+
+
+def test_replay_result_line():
+    import pandas as pd
+
+    from scope_lib.reports.analysis import replay_result
+
+    index = pd.MultiIndex.from_tuples([("base", "base"), ("base", "iter_01"), ("iter_01", "base")],
+                                      names=["search", "answer"])
+    scores = pd.DataFrame({"NQ": [10.0, 13.0, 9.0], "HotpotQA": [20.0, 19.0, float("nan")]}, index=index)
+    assert replay_result(scores) == ("2 replay pair(s) on 2 benchmark(s); largest change +3.0 points against "
+                                     "base → base: search base → answer iter_01 on NQ")
+    assert replay_result(scores.iloc[:1]) == "only base's own evaluation: no second checkpoint to swap in"

@@ -38,3 +38,19 @@ def test_data_fetch_without_network_fails_fast_with_a_hint(tmp_path, monkeypatch
     assert code == 2
     err = capsys.readouterr().err
     assert "SCOPE_DATA_DIR" in err and "retrieval.corpus" in err
+
+
+def test_every_command_drops_the_known_library_notices(caplog, capsys):
+    """`scope ...` installs the filters of `models.noise` before a command runs (torchao's CUDA kernels that cannot
+    load on CPU no longer open every `scope train`); other messages of the same logger still show."""
+    import logging
+
+    from scope_lib.models.noise import NOISE
+
+    for noise in NOISE:                                   # as in a fresh process
+        logging.getLogger(noise.logger).filters.clear()
+    assert main(["params", "show", str(REPO / "params" / "smoke.yaml")]) == 0
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("torchao").warning("Failed to load /venv/torchao/_C_mxfp8.abi3.so: Could not load")
+        logging.getLogger("torchao").warning("something a researcher should see")
+    assert [r.getMessage() for r in caplog.records] == ["something a researcher should see"]

@@ -181,3 +181,25 @@ def test_round_trip_yaml(tmp_path):
     f = tmp_path / "resolved.yaml"
     f.write_text(p.to_yaml())
     assert load_params(f) == p
+
+
+def test_display_path_never_shows_the_machines_folders(monkeypatch, tmp_path):
+    """What a shared report prints for a path: relative to the current folder (the repository in a notebook),
+    else the run folder's or the data directory's name then the path inside it, else ~/..., else the name."""
+    from scope_lib.config import display_path
+
+    repo, data, runs = tmp_path / "repo", tmp_path / "elsewhere" / "data", tmp_path / "scratch" / "runs"
+    for folder in (repo / "runs" / "smoke", data, runs / "smoke"):
+        folder.mkdir(parents=True)
+    monkeypatch.chdir(repo)
+    shown = lambda p, run_dir=runs / "smoke": display_path(p, run_dir=run_dir, data_dir=data)  # noqa: E731
+    assert shown(repo / "runs" / "smoke" / "explore") == "runs/smoke/explore"
+    assert shown(runs / "smoke" / "eval") == "smoke/eval"
+    assert shown(data / "wiki18_sample.jsonl") == "data/wiki18_sample.jsonl"
+    assert shown(Path.home() / ".cache" / "scope") == "~/.cache/scope"
+    assert shown("/nowhere/known/file.jsonl") == "file.jsonl"
+    assert shown("runs/smoke") == "runs/smoke"                     # relative paths as they are
+    params = load_params(REPO / "params" / "smoke.yaml",
+                         [f"run.data_dir={data}", f"run.runs_dir={runs}", "run.name=smoke"])
+    assert params.show_path(params.corpus_path) == f"data/{Path(params.retrieval.corpus).name}"
+    assert params.show_path(params.run_dir / "explore") == "smoke/explore"

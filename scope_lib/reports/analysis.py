@@ -275,6 +275,30 @@ def example_tasks(run_dir, per_iteration: int = 1) -> list[dict[str, Any]]:
 
 # -- figures: notebook 04's reward components, and plotly's static export ------------------------------------
 
+#: Tick spacings an axis of whole numbers may use (times a power of ten).
+_NICE_STEPS = (1, 2, 5)
+
+
+def whole_number_step(span: float, max_ticks: int = 10) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, … that puts at most `max_ticks` ticks over `span`."""
+    scale = 1
+    while True:
+        for step in _NICE_STEPS:
+            if span / (step * scale) <= max_ticks:
+                return step * scale
+        scale *= 10
+
+
+def integer_axis(fig, values, axis: str = "x", **where) -> Any:
+    """Draw an axis that counts steps, iterations or items at whole numbers only (plotly's automatic ticks put
+    1.2, 1.4, … between two steps): ticks from the first value, `whole_number_step` apart, without decimals.
+    `where` selects the subplot axes as plotly's `update_xaxes` does (row=, col=); all of them by default."""
+    present = [float(v) for v in values if v is not None and v == v]
+    low, high = (min(present), max(present)) if present else (0.0, 1.0)
+    update = fig.update_xaxes if axis == "x" else fig.update_yaxes
+    update(tickmode="linear", tick0=low, dtick=whole_number_step(high - low), tickformat="d", **where)
+    return fig
+
 #: The reward components notebook 04 plots per role, one line each (those with values).
 REWARD_COMPONENTS = {"challenger": ["reward", "format", "gate_pass_rate", "mean_rubric_score", "difficulty"],
                      "solver": ["reward", "rubric_score", "format", "search_reward", "length_multiplier"]}
@@ -290,9 +314,35 @@ def reward_components_figure(metrics, role: str) -> Any:
     if steps.empty or not present:
         return None
     long = steps.melt(id_vars=["global_step", "iteration"], value_vars=present, var_name="component")
-    return px.line(long, x="global_step", y="value", color="component", markers=True,
-                   title=f"{role.capitalize()}: reward components per GRPO step",
-                   labels={"global_step": "step (all iterations)", "value": "mean over the batch"})
+    fig = px.line(long, x="global_step", y="value", color="component", markers=True,
+                  title=f"{role.capitalize()}: reward components per GRPO step",
+                  labels={"global_step": "step (all iterations)", "value": "mean over the batch"})
+    return integer_axis(fig, steps["global_step"])
+
+
+def step_figure(metrics, role: str, column: str, title: str, label: str) -> Any:
+    """One measure of a role's training steps (a column of metrics.jsonl) per step, a line per iteration: notebook
+    04's searches and answer length per Solver step (Figures 6 and 7); None without such steps."""
+    import plotly.express as px
+
+    steps = metrics[metrics["role"] == role] if len(metrics) and "role" in metrics else metrics.iloc[0:0]
+    if steps.empty or column not in steps or steps[column].isna().all():
+        return None
+    fig = px.line(steps, x="global_step", y=column, color="iteration", markers=True, title=title,
+                  labels={"global_step": f"{role.capitalize()} step", column: label})
+    return integer_axis(fig, steps["global_step"])
+
+
+def iteration_figure(summary, column: str, title: str, label: str, range_y=None) -> Any:
+    """One column of `iteration_summary` per iteration (Figure 3b: the Solver's mean rubric score); None when the
+    column has no value yet."""
+    import plotly.express as px
+
+    if summary.empty or column not in summary or summary[column].isna().all():
+        return None
+    fig = px.line(summary, x="iteration", y=column, markers=True, range_y=range_y, title=title,
+                  labels={column: label})
+    return integer_axis(fig, summary["iteration"])
 
 
 def save_figure(fig, path, *, width: int | None = None, height: int | None = None):
@@ -354,7 +404,8 @@ def learning_signals_figure(metrics) -> Any:
             fig.update_yaxes(range=[-0.05, 1.05], row=row, col=1)
             fig.add_hline(y=ZERO_SPREAD_MOST, line_dash="dot", row=row, col=1,
                           annotation_text=f"alarm: at or above for {ZERO_SPREAD_STEPS} steps running")
-    fig.update_xaxes(title_text="step (all iterations)", dtick=1, row=len(present), col=1)
+    integer_axis(fig, metrics["global_step"])
+    fig.update_xaxes(title_text="step (all iterations)", row=len(present), col=1)
     fig.update_layout(title="Learning signals per GRPO step", height=240 * len(present) + 80)
     return fig
 
@@ -409,7 +460,8 @@ def learning_check_figure(check) -> Any:
                     error_y={"type": "data", "symmetric": False, "array": [hi - comparison.gain],
                              "arrayminus": [comparison.gain - lo]}, row=1, col=2)
     fig.add_hline(y=0, line_color="black", line_width=1, row=1, col=2)
-    fig.update_xaxes(title_text="held-out task (sorted by its value before)", dtick=1, row=1, col=1)
+    fig.update_xaxes(title_text="held-out task (sorted by its value before)", row=1, col=1)
+    integer_axis(fig, xs, row=1, col=1)
     fig.update_yaxes(title_text=label, range=[-0.05, 1.05], row=1, col=1)
     fig.update_yaxes(title_text=f"gain in {label} (after − before)", row=1, col=2)
     verdict = "learned" if check.verdict.learned else "not learned"
@@ -417,3 +469,65 @@ def learning_check_figure(check) -> Any:
                             f"(gain {trained.gain:+.3f}, 95% CI [{trained.ci95[0]:+.3f}, {trained.ci95[1]:+.3f}]; "
                             f"{verdict})", height=420)
     return fig
+
+
+# -- one-line results (`reports.notebook.summary`): what the index page states per notebook ------------------
+
+
+def training_result(metrics, candidates, n_alarms: int, check=None) -> str:
+    """Notebook 04's result: the task pool (kept of candidates, all iterations), the Solver's mean reward R_S at
+    its first and last step, the health alarms, and the learning check's verdict when it ran."""
+    parts = [f"pool {int(candidates['kept'].sum())} of {len(candidates)} candidates" if len(candidates)
+             else "no candidate tasks"]
+    solver = metrics[metrics["role"] == "solver"] if len(metrics) and "role" in metrics else metrics.iloc[0:0]
+    rewards = solver["reward"].dropna() if "reward" in solver else solver.iloc[0:0]
+    parts.append(f"R_S {rewards.iloc[0]:.2f} → {rewards.iloc[-1]:.2f} over {len(rewards)} Solver steps"
+                 if len(rewards) else "no Solver step")
+    parts.append(f"{n_alarms} alarm{'s' if n_alarms != 1 else ''}")
+    if check is not None:
+        verdict = "learned" if check.verdict.learned else "not learned"
+        trusted = "" if check.held_out.grader.trusted else ", grader untrusted"
+        parts.append(f"learning check {verdict} (gain {check.trained.gain:+.3f}{trusted})")
+    return ", ".join(parts)
+
+
+def evaluation_result(summaries: list[dict[str, Any]], checkpoint: str | None = None) -> str:
+    """Notebook 05's result: per benchmark, the last checkpoint's (or `checkpoint`'s) scores on a 0–1 scale:
+    exact match where the benchmark has it, and the judged score (scope_paper protocol), marked when its judge
+    failed its calibration probe: "iter_01: NQ EM 0.00, judged 1.00 (judge untrusted); …"."""
+    from scope_lib.evaluation.benchmarks import BENCHMARKS
+
+    if not summaries:
+        return "nothing evaluated"
+    name = checkpoint or summaries[-1]["checkpoint"]
+    parts = []
+    for s in (s for s in summaries if s["checkpoint"] == name):
+        judged = s["scorers"].get("scope_paper", {})
+        official = s["scorers"].get("official", {}).get("metrics") or {}
+        scores = [f"EM {official['em']:.2f}"] if official.get("em") is not None else []
+        if judged.get("value") is not None:
+            scores.append(f"{'judged ' if scores else ''}{judged['value']:.2f}")
+        elif not scores:
+            scores.append("not scored")
+        untrusted = " (judge untrusted)" if judged.get("trusted") is False else ""
+        column = BENCHMARKS[s["benchmark"]].column if s["benchmark"] in BENCHMARKS else s["benchmark"]
+        parts.append(f"{column} {', '.join(scores)}{untrusted}")
+    return f"{name}: " + "; ".join(parts)
+
+
+def replay_result(scores) -> str:
+    """Notebook 06's result: the replay pair and benchmark whose score moved most against the first row (a
+    checkpoint's own evaluation), in points: "largest change +3.0 points: search base → answer iter_01 on NQ"."""
+    if scores.empty:
+        return "no replay scored"
+    first = scores.index[0]
+    swapped = [pair for pair in scores.index if pair[0] != pair[1]]
+    if not swapped:
+        return f"only {first[0]}'s own evaluation: no second checkpoint to swap in"
+    changes = (scores.loc[swapped] - scores.iloc[0]).stack().dropna()
+    if changes.empty:
+        return f"{len(swapped)} replay pair(s), none scored on both sides"
+    (search, answer, benchmark) = changes.abs().idxmax()
+    change = changes[(search, answer, benchmark)]
+    return (f"{len(swapped)} replay pair(s) on {scores.shape[1]} benchmark(s); largest change {change:+.1f} points "
+            f"against {first[0]} → {first[1]}: search {search} → answer {answer} on {benchmark}")

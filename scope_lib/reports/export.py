@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from scope_lib.config import display_path
 from scope_lib.reports.notebook import repo_root
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,25 @@ def run_notebooks(params: str | os.PathLike, overrides: list[str] | None = None,
         log.info("executing %s -> %s", source.name, target)
         papermill.execute_notebook(str(source), str(target), parameters=parameters, cwd=str(root),
                                    kernel_name="python3", progress_bar=False)
+        _shareable_metadata(target, root)
         written.append(target)
         if html:
             written.append(to_html(target))
     return written
+
+
+def _shareable_metadata(notebook: Path, root: Path) -> None:
+    """papermill records the absolute paths it was given (`input_path`, `output_path`) in the executed notebook's
+    metadata: keep them relative to the repository (else `display_path`), so a shared .ipynb names no local folder."""
+    import nbformat
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    record = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        if record.get(key):
+            path = Path(record[key])
+            record[key] = str(path.relative_to(root)) if path.is_relative_to(root) else display_path(path)
+    nbformat.write(nb, str(notebook))
 
 
 #: The mimetype plotly figures carry in the executed notebooks (JupyterLab renders it live).

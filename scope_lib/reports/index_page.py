@@ -1,13 +1,13 @@
 """A run's index page, runs/<name>/reports/index.html: the page a reader opens first. The run's name, params
-hash, package versions and git sha (from manifest.json), then one line per executed notebook: its title, what
-it shows, the health alarms raised while it ran, its wall time, links to its HTML report and .ipynb."""
+hash and git sha (from manifest.json), the packages that ran, then one line per executed notebook: its title, its
+result in one line (the summary record the notebook wrote, `reports.notebook.summary`), the health alarms raised
+while it ran, its wall time, links to its HTML report and .ipynb."""
 
 from __future__ import annotations
 
 import html
 import json
 import os
-import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,11 @@ from typing import Any
 from scope_lib.runs import git_state, package_versions
 from scope_lib.selfplay.health import read_alarms
 
-#: How much of a notebook's introduction the index quotes as "what it shows".
-SUMMARY_CHARS = 320
+#: The mimetype of a notebook's summary output (`reports.notebook.summary`): {"result", "facts", "packages"}.
+SUMMARY_MIMETYPE = "application/vnd.scope.summary+json"
+
+#: How much of an error the index quotes for a notebook that failed.
+ERROR_CHARS = 200
 
 
 def _timestamp(value: str | None) -> float | None:
@@ -27,22 +30,31 @@ def _timestamp(value: str | None) -> float | None:
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
-def _introduction(source: str) -> tuple[str, str]:
-    """(title, summary) of a notebook's opening markdown cell: the summary is the first paragraph as plain
-    text, whole sentences up to SUMMARY_CHARS (a closing "This notebook:" that leads into a list dropped)."""
+def _title(source: str) -> str:
+    """The first line of a notebook's opening markdown cell, without its `#`."""
     lines = source.strip().splitlines()
-    title = lines[0].lstrip("# ").strip() if lines else ""
-    paragraphs = "\n".join(lines[1:]).strip().split("\n\n")
-    text = re.sub(r"\*\*|`", "", " ".join(paragraphs[0].split())) if paragraphs else ""
-    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
-    while len(sentences) > 1 and sentences[-1].endswith(":"):
-        sentences.pop()
-    summary = ""
-    for sentence in sentences:
-        if summary and len(summary) + len(sentence) > SUMMARY_CHARS:
-            return title, summary + " …"
-        summary = f"{summary} {sentence}".strip()
-    return title, summary
+    return lines[0].lstrip("# ").strip() if lines else ""
+
+
+def _outputs(nb: dict[str, Any]) -> list[dict[str, Any]]:
+    return [o for c in nb.get("cells", []) for o in c.get("outputs", [])]
+
+
+def notebook_summary(nb: dict[str, Any]) -> dict[str, Any] | None:
+    """The last summary record an executed notebook wrote (None when it wrote none)."""
+    records = [o["data"][SUMMARY_MIMETYPE] for o in _outputs(nb) if SUMMARY_MIMETYPE in o.get("data", {})]
+    return records[-1] if records else None
+
+
+def _result(nb: dict[str, Any], summary: dict[str, Any] | None) -> str:
+    """The notebook's result line: its summary's, else the error it stopped at, else a line saying it wrote none."""
+    errors = [o for o in _outputs(nb) if o.get("output_type") == "error"]
+    if errors:
+        text = f"{errors[0].get('ename', 'error')}: {errors[0].get('evalue', '')}".strip().rstrip(":")
+        return "failed: " + (text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + " …")
+    if summary and str(summary.get("result", "")).strip():
+        return str(summary["result"]).strip()
+    return "no result: the notebook wrote no summary (reports.notebook.summary in its last cell)"
 
 
 def notebook_entry(notebook: Path, alarms: list[dict[str, Any]]) -> dict[str, Any]:
@@ -50,16 +62,28 @@ def notebook_entry(notebook: Path, alarms: list[dict[str, Any]]) -> dict[str, An
     whose execution window holds its time."""
     nb = json.loads(notebook.read_text(encoding="utf-8"))
     markdown = next((c for c in nb.get("cells", []) if c.get("cell_type") == "markdown"), None)
-    title, summary = _introduction("".join(markdown["source"]) if markdown else notebook.stem)
+    title = _title("".join(markdown["source"])) if markdown else ""
+    summary = notebook_summary(nb)
     run = nb.get("metadata", {}).get("papermill", {})
     start, end = _timestamp(run.get("start_time")), _timestamp(run.get("end_time"))
     raised = [a for a in alarms if start is not None and end is not None and start <= a.get("time", -1) <= end]
-    errors = sum(o.get("output_type") == "error" for c in nb.get("cells", []) for o in c.get("outputs", []))
+    errors = sum(o.get("output_type") == "error" for o in _outputs(nb))
     report = notebook.with_suffix(".html")
-    return {"name": notebook.stem, "title": title or notebook.stem, "summary": summary, "alarms": raised,
+    return {"name": notebook.stem, "title": title or notebook.stem, "result": _result(nb, summary),
+            "packages": dict((summary or {}).get("packages") or {}), "alarms": raised,
             "duration_s": run.get("duration"), "failed": bool(run.get("exception")) or errors > 0,
             "html": report.name if report.is_file() else None,
             "html_bytes": report.stat().st_size if report.is_file() else None, "ipynb": notebook.name}
+
+
+def packages_that_ran(entries: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Every package the notebooks' kernels imported, with the versions they ran (several if they differ)."""
+    found: dict[str, list[str]] = {}
+    for entry in entries:
+        for name, version in entry["packages"].items():
+            if version not in found.setdefault(name, []):
+                found[name].append(version)
+    return found
 
 
 def _manifest(run_dir: Path) -> tuple[dict[str, Any], str]:
@@ -79,13 +103,18 @@ def _duration(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds:.0f} s"
 
 
+def _versions(packages: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {' / '.join(v) if isinstance(v, list) else v}" for name, v in packages.items() if v)
+
+
 def render(run_dir: Path, entries: list[dict[str, Any]], manifest: dict[str, Any], source: str,
            all_alarms: list[dict[str, Any]]) -> str:
     e = html.escape
     git = manifest.get("git") or {}
     sha = git.get("sha") or "unknown"
     dirty = " (with uncommitted changes)" if git.get("dirty") else ""
-    packages = ", ".join(f"{k} {v}" for k, v in (manifest.get("packages") or {}).items() if v)
+    ran = _versions(packages_that_ran(entries)) or "none recorded (the notebooks wrote no summary)"
+    installed = _versions(manifest.get("packages") or {})
     rows = []
     for entry in entries:
         links = " · ".join(f'<a href="{e(name)}">{label}</a>' for name, label in
@@ -94,7 +123,7 @@ def render(run_dir: Path, entries: list[dict[str, Any]], manifest: dict[str, Any
                            for a in entry["alarms"])
         status = '<span class="failed">failed</span>' if entry["failed"] else "ok"
         rows.append(f'<tr><td><a href="{e(entry["html"] or entry["ipynb"])}">{e(entry["title"])}</a></td>'
-                    f'<td>{e(entry["summary"])}</td><td>{status}</td>'
+                    f'<td class="result">{e(entry["result"])}</td><td>{status}</td>'
                     f'<td class="alarms">{len(entry["alarms"])}{": " + e(alarms) if alarms else ""}</td>'
                     f'<td class="num">{_duration(entry["duration_s"])}</td>'
                     f'<td class="num">{_size(entry["html_bytes"])}</td><td>{links}</td></tr>')
@@ -109,12 +138,12 @@ th {{ text-align: left; }} .num {{ text-align: right; white-space: nowrap; }} .f
 code {{ background: #f4f4f4; padding: 0 .2em; }}
 </style></head><body>
 <h1>SCOPE run <code>{e(name)}</code></h1>
-<p>Params hash <code>{e(str(manifest.get("params_hash") or "none"))}</code> · git <code>{e(sha)}</code>{e(dirty)}
-<br><small>{e(source)}</small></p>
-<p>Packages: {e(packages)}</p>
+<p>Params hash <code>{e(str(manifest.get("params_hash") or "none"))}</code> · git <code>{e(sha)}</code>{e(dirty)}</p>
+<p>Packages that ran (imported by the notebooks' kernels): {e(ran)}
+<br><small>Installed ({e(source)}): {e(installed)}</small></p>
 <p>Health alarms in the run: {len(all_alarms)}{f" ({outside} outside the notebooks below, e.g. from scope train)" if outside else ""}
 (<code>health.jsonl</code> in the run folder).</p>
-<table><thead><tr><th>notebook</th><th>what it shows</th><th>status</th><th>health alarms</th><th>wall time</th>
+<table><thead><tr><th>notebook</th><th>result</th><th>status</th><th>health alarms</th><th>wall time</th>
 <th>report size</th><th>files</th></tr></thead>
 <tbody>
 {chr(10).join(rows)}

@@ -14,10 +14,18 @@ from typing import Any
 
 from scope_lib.config import Params, load_params
 from scope_lib.models.loading import apply_torch_threads, import_training_loader, make_engine
+from scope_lib.models.noise import quiet_library_noise
 from scope_lib.protocol.dialects import get_dialect
+from scope_lib.reports.index_page import SUMMARY_MIMETYPE
 from scope_lib.retrieval.corpus import read_corpus, sample_documents
 from scope_lib.retrieval.index import open_retriever
-from scope_lib.runs import atomic_write_json, read_jsonl, write_jsonl
+from scope_lib.runs import (
+    atomic_write_json,
+    imported_package_versions,
+    log_to_run_file,
+    read_jsonl,
+    write_jsonl,
+)
 from scope_lib.selfplay.judge import make_judge
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
@@ -39,22 +47,38 @@ def repo_root(start: Path | None = None) -> Path:
     raise FileNotFoundError(f"no SCOPE checkout above {here}: run the notebook from inside the repository")
 
 
-def init(params: str, overrides: list[str] | None = None, *, level: int = logging.INFO) -> Params:
+def init(params: str, overrides: list[str] | None = None, *, level: int = logging.INFO,
+         show: int = logging.WARNING) -> Params:
     """chdir to the repository root, configure logging and figures for a report, load the parameters and prepare
-    the models the loader cannot build itself (the smoke model's warm start, built once and cached)."""
+    the models the loader cannot build itself (the smoke model's warm start, built once and cached).
+
+    A report shows log records at `show` and above (warnings: health alarms, damaged records); every record at
+    `level` and above goes to the run's log file, <run>/run.log. Library notices that say nothing to a
+    researcher are dropped where they are logged (`models.noise`)."""
     os.chdir(repo_root())
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("httpx", "chromadb", "urllib3", "sentence_transformers", "transformers", "datasets",
-                   "faiss"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _report_logging(show)
     _report_figures()
     loaded = load_params(params, overrides or [])
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
+    log_to_run_file(loaded.run_dir, level)
 
     apply_torch_threads(loaded)
     prepared = prepare(loaded)
     import_training_loader(prepared)  # Unsloth, when chosen, before transformers (the warm start is built without it)
     return prepared
+
+
+def _report_logging(show: int) -> None:
+    """The notebook's output shows records at `show` and above, without known library noise; vLLM's records
+    reach the same handlers (vLLM otherwise prints its INFO lines through a handler of its own)."""
+    quiet_library_noise()
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")   # read when vLLM is first imported
+    logging.basicConfig(level=show, format="%(levelname)s %(name)s: %(message)s", force=True)
+    for handler in logging.getLogger().handlers:   # the output's own threshold: the run's log file takes more
+        handler.setLevel(show)
+    for noisy in ("httpx", "chromadb", "urllib3", "sentence_transformers", "transformers", "datasets",
+                  "faiss"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _report_figures() -> None:
@@ -133,3 +157,48 @@ def load_challenger_batch(run_dir: Path):
         return None
     prompts = [ChallengerPrompt(**p) for p in json.loads((folder / "challenger_prompts.json").read_text())]
     return prompts, [Trajectory.from_record(r) for r in read_jsonl(folder / "challenger_rollouts.jsonl")]
+
+
+# -- the notebook's result, for the index page ---------------------------------------------------------------
+
+def _jsonable(value: Any) -> Any:
+    """Numbers, strings, booleans and None as they are (numpy scalars as Python's); anything else as text."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if value == value else None   # NaN: no value
+    item = getattr(value, "item", None)            # numpy scalars
+    return _jsonable(item()) if callable(item) else str(value)
+
+
+@dataclass
+class Summary:
+    """A notebook's result: one line a reader can quote, the facts behind it, and the versions of the packages the
+    kernel imported (the packages that ran). Shown as a line and a table; the executed notebook also keeps it as
+    an output of SUMMARY_MIMETYPE, which `reports.index_page` reads."""
+
+    result: str
+    facts: dict[str, Any]
+    packages: dict[str, str]
+
+    def record(self) -> dict[str, Any]:
+        return {"result": self.result, "facts": self.facts, "packages": self.packages}
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, Any]:
+        import html
+
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                       for k, v in self.facts.items())
+        text = "\n".join([f"Result: {self.result}"] + [f"  {k}: {v}" for k, v in self.facts.items()])
+        return {"text/plain": text,
+                "text/html": f"<p><strong>Result:</strong> {html.escape(self.result)}</p><table>{rows}</table>",
+                SUMMARY_MIMETYPE: self.record()}
+
+
+def summary(result: str, facts: dict[str, Any] | None = None) -> Summary:
+    """The notebook's result in one line (`result`, e.g. "recall@3 1.00 on 36 labelled queries") with the facts
+    behind it. End the notebook's last cell with it: the index page states `result` on the notebook's line."""
+    if not isinstance(result, str) or not result.strip() or "\n" in result.strip():
+        raise ValueError(f"a notebook's result is one non-empty line, got {result!r}")
+    return Summary(result.strip(), {str(k): _jsonable(v) for k, v in (facts or {}).items()},
+                   imported_package_versions())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from scope_lib.retrieval.api import IndexCheckError
 from scope_lib.retrieval.corpus import GZIP_MAGIC, CorpusError, Passage, iter_passages, require_passages
 from scope_lib.retrieval.embedders import make_embedder
 from scope_lib.retrieval.http_client import HttpRetriever
-from scope_lib.retrieval.index import cached_corpus_sha256, index_path, open_index, store_path
+from scope_lib.retrieval.index import cached_corpus_sha256, corpus_sha_cache, open_index
 
 if TYPE_CHECKING:
     from scope_lib.config import Params
@@ -103,7 +104,7 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     cfg = params.retrieval
     where = cfg.server_url if cfg.backend == "http" else str(params.run_dir)
     report = CheckReport(cfg.backend, cfg.faiss_factory if cfg.backend == "faiss" else where)
-    corpus = _check_corpus(report, Path(params.corpus_path), cfg.on_error)
+    corpus = _check_corpus(report, Path(params.corpus_path), cfg.on_error, params.show_path)
     embedder = make_embedder(cfg) if cfg.backend != "bm25" else None
 
     # -- open ------------------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     elif corpus is None:
         report.add("fingerprint", None, "no local corpus to compare with")
     else:
-        wanted = {"scope_corpus_sha256": cached_corpus_sha256(corpus, _sha_cache(params)),
+        wanted = {"scope_corpus_sha256": cached_corpus_sha256(corpus, corpus_sha_cache(params)),
                   "scope_max_passages": cfg.max_passages or 0}
         if embedder is not None:
             wanted.update(scope_embedder=embedder.name(), scope_embedder_model=embedder.model_id)
@@ -179,8 +180,9 @@ def check_index(params: Params, *, n_canaries: int = 8, canary_k: int | None = N
     return report
 
 
-def _check_corpus(report: CheckReport, corpus: Path, on_error: str) -> Path | None:
-    """The corpus row: the file is there and holds a passage (the canaries come from it). None when not."""
+def _check_corpus(report: CheckReport, corpus: Path, on_error: str, show: Callable[[Path], str] = str) -> Path | None:
+    """The corpus row: the file is there and holds a passage (the canaries come from it). None when not.
+    `show`: how a path is printed (`Params.show_path`: without the machine's folders)."""
     if not corpus.exists():
         report.add("corpus", False, f"{corpus} not found: the canaries come from the corpus (`scope data fetch`)")
         return None
@@ -189,7 +191,7 @@ def _check_corpus(report: CheckReport, corpus: Path, on_error: str) -> Path | No
     except CorpusError as exc:
         report.add("corpus", False, str(exc))
         return None
-    report.add("corpus", True, str(corpus))
+    report.add("corpus", True, show(corpus))
     return corpus
 
 
@@ -231,16 +233,6 @@ def _canary_rows(report: CheckReport, canaries: list[Passage], hits: list[list[A
         return
     report.add("results", not problems, "; ".join(problems[:4]) if problems else
                f"{expected} distinct hits per query, finite scores best first")
-
-
-def _sha_cache(params: Params) -> Path:
-    """Where the build remembered the corpus checksum (so a check does not hash 14 GB again)."""
-    cfg = params.retrieval
-    if cfg.backend in ("faiss", "bm25"):
-        return store_path(params)
-    if cfg.backend == "chroma" and cfg.chroma_mode == "embedded":
-        return index_path(params)
-    return Path(params.run_dir)
 
 
 def _count(retriever: Any) -> int | None:

@@ -71,6 +71,17 @@ def store_path(params: Params) -> Path:
     return index_path(params) / params.retrieval.collection
 
 
+def corpus_sha_cache(params: Params) -> Path:
+    """Where a build of the configured backend remembers the corpus checksum (so opening or checking an index does
+    not hash a 14 GB corpus again): the store of faiss and bm25, the embedded chroma folder, else the run folder."""
+    cfg = params.retrieval
+    if cfg.backend in ("faiss", "bm25"):
+        return store_path(params)
+    if cfg.backend == "chroma" and cfg.chroma_mode == "embedded":
+        return index_path(params)
+    return Path(params.run_dir)
+
+
 def cached_corpus_sha256(corpus_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
     """The corpus file's sha256, remembered in `cache_dir` by (path, size, mtime) so reopening an index
     over a 14 GB corpus does not hash it again."""
@@ -132,7 +143,7 @@ def build_or_open_index(params: Params, rebuild: bool = False, progress: bool = 
     path = index_path(params) if cfg.chroma_mode == "embedded" else None
     # chromadb's embedded store reports a full disk as "InternalError: Error in compaction: ..." (issue 36)
     with writing(path if path is not None else Path(params.run_dir), opaque=path is not None):
-        sha = cached_corpus_sha256(corpus, path if path is not None else Path(params.run_dir))
+        sha = cached_corpus_sha256(corpus, corpus_sha_cache(params))
         stream = iter_passages(corpus, cfg.on_error, max_passages=cfg.max_passages)
         try:
             return build_index(stream, cfg, corpus_sha256=sha, path=path, rebuild=rebuild, progress=progress,
@@ -197,7 +208,7 @@ def _build_or_open_store(params: Params, corpus: Path, rebuild: bool, progress: 
         log.info("rebuilding the retrieval store at %s", root)
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    sha = cached_corpus_sha256(corpus, root)
+    sha = cached_corpus_sha256(corpus, corpus_sha_cache(params))
     stream = iter_passages(corpus, cfg.on_error, max_passages=cfg.max_passages)
     try:
         passages, pstats = build_passage_store(stream, root / "passages", passages_fingerprint(cfg, sha),
@@ -249,7 +260,7 @@ def open_index(params: Params, embedder: ScopeEmbedder | None = None) -> LocalRe
             state = "no" if collection is None else "an unfinished"
             raise FileNotFoundError(f"{state} chroma collection {cfg.collection!r} at "
                                     f"{path or cfg.chroma_host}: run `scope index build`")
-        sha = cached_corpus_sha256(corpus, path if path is not None else Path(params.run_dir))
+        sha = cached_corpus_sha256(corpus, corpus_sha_cache(params))
         embedder = embedder if embedder is not None else make_embedder(cfg)
         diffs = fingerprint_differences(dict(collection.metadata or {}), index_fingerprint(cfg, sha, embedder))
         if diffs:
@@ -262,7 +273,7 @@ def open_index(params: Params, embedder: ScopeEmbedder | None = None) -> LocalRe
         passages = PassageStore(root / "passages")
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"no {cfg.backend} index at {root}: run `scope index build`") from exc
-    diffs = differences(passages.fingerprint, passages_fingerprint(cfg, cached_corpus_sha256(corpus, root)))
+    diffs = differences(passages.fingerprint, passages_fingerprint(cfg, cached_corpus_sha256(corpus, corpus_sha_cache(params))))
     if diffs:
         raise IndexMismatchError(f"the retrieval store at {root} was built from another corpus or slice:\n  "
                                  + "\n  ".join(diffs) + f"\n{REBUILD_HINT}")

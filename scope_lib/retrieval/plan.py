@@ -336,7 +336,7 @@ def plan_index(params: Params, *, measure: bool = True, factories: list[str] | N
         flops = matmul_flops()
     budget = cfg.memory_budget_gb if cfg.memory_budget_gb is not None else available_memory_gb()
     source = "retrieval.memory_budget_gb" if cfg.memory_budget_gb is not None else "available RAM now"
-    plan = IndexPlan(corpus=str(corpus), n_passages=n, dimension=dimension, embedder=embedder.describe(),
+    plan = IndexPlan(corpus=params.show_path(corpus), n_passages=n, dimension=dimension, embedder=embedder.describe(),
                      embed_rate=rate, embed_device=device, budget_gb=budget, budget_source=source, notes=notes)
     store_disk = n * sample.store_bytes_per_passage
     embed_s = n / rate if rate else None
