@@ -332,12 +332,13 @@ def test_a_read_only_run_folder_names_the_remedy(small_disk, capsys):
     runs = small_disk("1m")
     (runs / "r" / "iter_01").mkdir(parents=True)  # a run written earlier; the disk is then mounted read-only
     assert subprocess.run(["mount", "-o", "remount,ro", str(runs)], capture_output=True).returncode == 0
+    held = os.environ.get(LOCK_ENV)   # an earlier test of this process may hold another run's lock
     for command in ("train", "eval"):
         assert main([command, SMOKE, "-o", f"run.runs_dir={runs}", "-o", "run.name=r"]) == 2
         _assert_read_only_line(_one_error(capsys), runs / "r")
     assert main(["train", SMOKE, "-o", f"run.runs_dir={runs / 'new'}"]) == 2  # a run folder it cannot create
     _assert_read_only_line(_one_error(capsys), runs / "new" / "smoke")
-    assert LOCK_ENV not in os.environ
+    assert os.environ.get(LOCK_ENV) == held   # no lock was taken
 
 
 def test_a_read_only_lock_file_names_the_remedy(tmp_path, capsys, monkeypatch):
@@ -348,6 +349,7 @@ def test_a_read_only_lock_file_names_the_remedy(tmp_path, capsys, monkeypatch):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), self.lock_file)
 
     monkeypatch.setattr(FileLock, "acquire", read_only)
+    held = os.environ.get(LOCK_ENV)   # an earlier test of this process may hold another run's lock
     assert main(["eval", SMOKE, "-o", f"run.runs_dir={tmp_path}", "-o", "run.name=r"]) == 2
     _assert_read_only_line(_one_error(capsys), tmp_path / "r")
-    assert LOCK_ENV not in os.environ
+    assert os.environ.get(LOCK_ENV) == held   # no lock was taken

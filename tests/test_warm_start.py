@@ -215,8 +215,10 @@ def test_sentence_grades_quote_the_source_and_say_both(wiki_sample, tiny_tokeniz
         wording = rubric.replace(fact, "{fact}")
         assert wording in teacher.SENTENCE_RUBRICS and wording != FACT_RUBRIC
         wordings.add(wording)
-        verdicts = [judge.grade(a, r)[0] for a, r in graded]
-        assert verdicts == [1, 1, 0, 0] and verdicts == [int(mentions(a, fact)) for a, _r in graded]
+        verdicts, replies = zip(*(judge.grade(a, r) for a, r in graded), strict=True)
+        assert list(verdicts) == [1, 1, 0, 0] and list(verdicts) == [int(mentions(a, fact)) for a, _r in graded]
+        for verdict, reply in zip(verdicts, replies, strict=True):   # a held fact is listed as the rubric spells it
+            assert (f"{fact} (named)" in reply.split("The rubric asks", 1)[0]) == bool(verdict), reply
         source = documents[int(task.split("p")[-1])].text
         assert all(sentence in source for sentence in graded[2][0].split(". ") if sentence)   # the context alone
     assert len(wordings) >= 4
@@ -431,6 +433,11 @@ def test_reasoned_grades_list_the_answers_facts_then_mark_the_rubrics(tiny_token
         assert listed.count(rubric_fact) == verdict
         assert len(tiny_tokenizer.encode(reply, add_special_tokens=False)) <= teacher.REASONED_GRADING_MAX_TOKENS
     assert teacher.JudgeTeacher(judge.names).grade(answer, "Mentions Berlin.") == (1, "<score>1</score>")
+    # a held fact longer than one name is listed whole, as the rubric spells it (the verdict copies its mark)
+    verdict, reply = judge.grade("Ada moved to New York in 1990.", "States New York.")
+    assert verdict == 1 and reply.startswith("<think>The response names New York (named) and 1990 (named). ")
+    verdict, reply = judge.grade("Ada moved to York in 1990.", "States New York.")
+    assert verdict == 0 and "New York" not in reply.split("The rubric", 1)[0]
 
 
 def test_reasoned_grades_need_their_token_budget(shared_data, tmp_path):
@@ -498,6 +505,7 @@ def test_eval_judge_traces_parse_with_the_real_parsers_and_say_both(wiki_sample,
             assert criterion.replace(fact, "{fact}") in teacher.SENTENCE_RUBRICS, criterion
             assert t.verdict == int(mentions(reply, fact)), (reply, fact)
             assert (f"asks for {fact} (named)" in t.reply) == bool(t.verdict)
+            assert (f"{fact} (named)" in t.reply.split("The criterion asks", 1)[0]) == bool(t.verdict), t.reply
         # the tokens: the prompt exactly as the local judge encodes it, then the reply and the end of the turn
         ids, mask = t.example.input_ids, t.example.completion_mask
         n_prompt = mask.index(1)

@@ -35,7 +35,15 @@ from scope_lib.evaluation.benchmarks import Item
 from scope_lib.protocol import prompts
 from scope_lib.retrieval.corpus import Passage
 from scope_lib.selfplay.calibration import fact_pairs, fact_responses
-from scope_lib.smoke.teacher import SENTENCE_RUBRICS, Example, Names, TeacherError, mentions, title_words
+from scope_lib.smoke.teacher import (
+    SENTENCE_RUBRICS,
+    Example,
+    Names,
+    TeacherError,
+    listed_facts,
+    mentions,
+    title_words,
+)
 
 #: The two evaluation judge roles the option teaches (keys of `model.warm_start.role_repeats`).
 ROLES = ("qa_judge", "criterion_grader")
@@ -72,6 +80,8 @@ def _join(parts: Sequence[str]) -> str:
 def _listed(names: Names, answer: str, held: Sequence[str]) -> str:
     """What the answer names, each "(named)": at most LISTED_FACTS, the held facts among them."""
     facts = names.facts(f"and {answer}")  # a bare answer ("Morris") starts the text, where Names skips a word
+    for h in held:   # a held fact as the criterion spells it, however long (`teacher.listed_facts`)
+        facts = listed_facts(facts, answer, h)
     keep = [f for f in facts if any(f.lower() == h.lower() for h in held)]
     facts = [f for f in facts if f not in keep][:max(0, LISTED_FACTS - len(keep))] + keep
     facts = sorted(facts, key=lambda f: answer.lower().find(f.lower()))

@@ -558,7 +558,7 @@ class JudgeTeacher:
         verdict = int(mentions(answer, fact))
         if not self.reasoning:
             return verdict, f"<score>{verdict}</score>"
-        facts = self.names.facts(answer)
+        facts = listed_facts(self.names.facts(answer), answer, fact if verdict else None)
         if len(facts) > GRADE_FACTS:
             held = [f for f in facts[GRADE_FACTS - 1:] if f.lower() == fact.lower()]
             facts = facts[:GRADE_FACTS - len(held)] + held
@@ -566,6 +566,16 @@ class JudgeTeacher:
         asked = f"{fact} (named)" if verdict else f"{fact}, not named"
         return verdict, (f"<think>The response names {listed}. The rubric asks for {asked}.</think>\n"
                          f"<score>{verdict}</score>")
+
+
+def listed_facts(facts: list[str], answer: str, held: str | None) -> list[str]:
+    """The facts a reasoned grade lists for `answer` (`facts`: what `Names` finds in it), with the rubric's fact
+    `held` spelled as the rubric spells it when the answer holds it: a fact of the source's own sentences can be
+    longer than `Names` reads ("Chachoengsao Province", found as two names), and the verdict is a copy of its mark."""
+    if held is None or any(f.lower() == held.lower() for f in facts):
+        return facts
+    kept = [f for f in facts if f.lower() not in held.lower()] + [held]
+    return sorted(kept, key=lambda f: answer.lower().find(f.lower()))
 
 
 # -- name swapping ---------------------------------------------------------------------------------------
