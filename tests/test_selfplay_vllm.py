@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.heavy   # a whole self-play iteration on an engine of its own (~20 s): `make test-slow`
 def test_a_smoke_iteration_generates_every_call_with_vllm(tmp_path, wiki_sample, monkeypatch):
     params = load_params(REPO / "params" / "smoke-vllm.yaml",
                          {"run.runs_dir": str(tmp_path), "run.data_dir": str(wiki_sample.parent)})

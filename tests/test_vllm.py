@@ -236,6 +236,7 @@ def test_a_stop_seen_one_token_late_is_cut_where_it_completes(tokenizer):
     assert cut_at_stop(ids, None, (stop,), tokenizer.decode)[1] is None
 
 
+@pytest.mark.heavy   # a vLLM server process of its own (~35 s): `make test-slow` (docs/testing.md)
 def test_openai_engine_loads_adapters_into_a_real_vllm_server(engine, tiny_vllm_model_dir, tokenizer, adapters,
                                                               tmp_path):
     """`OpenAIEngine.add_adapter` (runtime LoRA loading, one served name per version) against vLLM's OpenAI
