@@ -24,11 +24,11 @@ def free_port() -> int:
 
 @contextmanager
 def server_process(command: list[str], health_url: str, log_path: Path, *, env: dict | None = None,
-                   timeout_s: float = 120) -> Iterator[subprocess.Popen]:
+                   cwd: Path | None = None, timeout_s: float = 120) -> Iterator[subprocess.Popen]:
     """Run `command` (output to `log_path`) until `health_url` answers 200; raise with the log's tail if the
     process exits or stays unhealthy for `timeout_s`. Terminates (then kills) the process on exit."""
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

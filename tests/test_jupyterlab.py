@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import free_port, server_process
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = "notebooks/01_retrieval_setup.ipynb"
@@ -54,12 +51,6 @@ _FIGURES_DRAWN = """() => [...document.querySelectorAll('.jp-Notebook .jp-Render
 })"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def jupyterlab(tmp_path, shared_data):
     """`python -m jupyterlab` from this environment on a loopback port, rooted at the repository; its URL and token."""
@@ -68,7 +59,7 @@ def jupyterlab(tmp_path, shared_data):
         path = tmp_path / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    port, token = _free_port(), os.urandom(16).hex()
+    port, token = free_port(), os.urandom(16).hex()
     env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -76,35 +67,18 @@ def jupyterlab(tmp_path, shared_data):
            # the kernels import this checkout's scope_lib (their folder is notebooks/, and an environment may hold
            # another checkout installed in editable mode)
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    log = (tmp_path / "jupyterlab.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={REPO}", "--LabApp.expose_app_in_browser=True",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],   # a container's root, as in CI
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+               f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={REPO}",
+               "--LabApp.expose_app_in_browser=True",
+               *(["--allow-root"] if os.geteuid() == 0 else [])]   # a container's root, as in CI
     before = (REPO / NOTEBOOK).read_bytes()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).read()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'jupyterlab.log').read_text()[-3000:]}")
-                time.sleep(0.3)
-        yield url, token
+        with server_process(command, f"{url}/api/status?token={token}", tmp_path / "jupyterlab.log", env=env,
+                            cwd=REPO, timeout_s=60):
+            yield url, token
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
-        after = (REPO / NOTEBOOK).read_bytes()
-        if after != before:
+        if (REPO / NOTEBOOK).read_bytes() != before:
             (REPO / NOTEBOOK).write_bytes(before)
             pytest.fail(f"JupyterLab wrote {NOTEBOOK} (restored)")
 

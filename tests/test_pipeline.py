@@ -43,6 +43,17 @@ def _challenger_batch(passages, dialect, tok, n=6):
     return prompts, challenger_trajectories(prompts, dialect, tok)
 
 
+def _challenge_and_judge(engine, params, passages, dialect, tok, retriever, n):
+    """n Challenger rollouts on the scripted engine, then Stage 2 on them (gates, rubrics, 2 Solver rollouts per
+    task, grades): (prompts, trajectories, judge, evaluations, graded)."""
+    prompts, trajs = _challenger_batch(passages, dialect, tok, n=n)
+    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(params))
+    judge = Judge(engine, params.judge)
+    evals, graded, _ = evaluate_tasks(trajs, {q.id: q for q in prompts}, params=params, judge=judge,
+                                      solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    return prompts, trajs, judge, evals, graded
+
+
 def test_apportion_is_exact_and_seeded():
     items = apportion(2000, [4, 3, 2], seed=7)
     assert [items.count(i) for i in range(3)] == [889, 667, 444]
@@ -142,11 +153,7 @@ def test_garbage_output_scores_zero_and_is_counted(params, retriever, passages, 
         return {"challenger": None, "solver": None}.get(role, "<score>maybe</score> \x00 <rubrics><rubric>")
 
     engine = ScriptedEngine(tok, dialect, override=garbage)
-    prompts, trajs = _challenger_batch(passages, dialect, tok, n=3)
-    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(params))
-    judge = Judge(engine, params.judge)
-    evals, graded, _ = evaluate_tasks(trajs, {p.id: p for p in prompts}, params=params, judge=judge,
-                                      solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    _prompts, _trajs, judge, evals, graded = _challenge_and_judge(engine, params, passages, dialect, tok, retriever, 3)
     gates = judge.stats.stages["gates"]
     assert gates.calls == 2 and gates.retried == gates.prompts == 6 and gates.unparseable == 6
     assert gates.examples and "maybe" in gates.examples[0]
@@ -157,10 +164,7 @@ def test_garbage_output_scores_zero_and_is_counted(params, retriever, passages, 
         return "no tags at all" if role == "challenger" else None
 
     engine = ScriptedEngine(tok, dialect, override=mute)
-    prompts, trajs = _challenger_batch(passages, dialect, tok, n=2)
-    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(params))
-    evals, _, _ = evaluate_tasks(trajs, {p.id: p for p in prompts}, params=params, judge=Judge(engine, params.judge),
-                                 solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    _prompts, trajs, _judge, evals, _graded = _challenge_and_judge(engine, params, passages, dialect, tok, retriever, 2)
     assert all(t.finish == "no_action" and t.task is None for t in trajs)
     assert all(e.outcome == "no task" and e.reward == 0.0 for e in evals)
 
@@ -222,11 +226,7 @@ def test_rubric_analysis_tables(params, retriever, passages, tiny_tokenizer):
 
     dialect, tok = get_dialect("qwen2.5"), tiny_tokenizer
     engine = ScriptedEngine(tok, dialect)
-    prompts, trajs = _challenger_batch(passages, dialect, tok, n=4)
-    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(params))
-    judge = Judge(engine, params.judge)
-    evals, graded, _ = evaluate_tasks(trajs, {p.id: p for p in prompts}, params=params, judge=judge,
-                                      solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    prompts, trajs, judge, evals, graded = _challenge_and_judge(engine, params, passages, dialect, tok, retriever, 4)
     rubrics = rubric_table(evals, trajs, prompts)
     assert len(rubrics) == 3 * len(evals)
     # the scripted rubrics name the entities the Challenger searched: titles found in its evidence
@@ -450,11 +450,7 @@ def test_unparseable_rubrics_leave_the_challenger_the_chosen_reward(name, choice
         return "<think>Rubrics.</think>\n<rubrics><rubric>only one</rubric></rubrics>" if role == "rubrics" else None
 
     engine = ScriptedEngine(tok, dialect, override=no_rubrics)
-    prompts, trajs = _challenger_batch(passages, dialect, tok, n=3)
-    run_rollouts(trajs, engine, retriever, dialect, challenger_limits(p))
-    judge = Judge(engine, p.judge)
-    evals, graded, _ = evaluate_tasks(trajs, {q.id: q for q in prompts}, params=p, judge=judge,
-                                      solver_engine=engine, retriever=retriever, dialect=dialect, n_solver=2)
+    _prompts, _trajs, judge, evals, graded = _challenge_and_judge(engine, p, passages, dialect, tok, retriever, 3)
     rubric_stage = judge.stats.stages["rubrics"]
     assert rubric_stage.retried == rubric_stage.unparseable == len(evals) and graded == []
     assert all(e.outcome == "no rubrics" and e.format.total == 1.0 for e in evals)

@@ -381,15 +381,16 @@ def teacher_split(passages: Sequence[Passage], held_out_share: float, seed: int
                   ) -> tuple[list[Passage], list[Passage]]:
     """(teacher pool, held-out documents) of the warm start (`model.warm_start`, `scope_lib.smoke.teacher`): a
     permutation of the corpus seeded by `seed`, its last `held_out_share` held out. Here, below the teacher, so the
-    judges' calibration probes can leave out what the teacher wrote traces from (`teacher_document_ids`)."""
+    judges' calibration probes can leave out what the teacher wrote traces from (`teacher_documents`)."""
     order = permutation_slice(len(passages), len(passages), seed, 0)
     cut = len(passages) - int(round(len(passages) * held_out_share))
     return [passages[i] for i in order[:cut]], [passages[i] for i in order[cut:]]
 
 
-def teacher_document_ids(passages: Sequence[Passage], documents: int, held_out_share: float, seed: int) -> set[str]:
-    """Ids of the documents a warm start's teacher writes traces from: the first `documents` of its pool."""
-    return {p.id for p in teacher_split(passages, held_out_share, seed)[0][:documents]}
+def teacher_documents(passages: Sequence[Passage], documents: int, held_out_share: float, seed: int
+                      ) -> list[Passage]:
+    """The documents a warm start's teacher writes every trace from: the first `documents` of its pool."""
+    return teacher_split(passages, held_out_share, seed)[0][:documents]
 
 
 def sample_documents(passages: Sequence[Passage], n: int, seed: int, iteration: int, *,

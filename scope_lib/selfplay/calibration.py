@@ -27,7 +27,7 @@ from typing import Any
 
 from scope_lib.config import CalibrationConfig, Params
 from scope_lib.protocol import prompts
-from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_document_ids
+from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_documents
 from scope_lib.selfplay.judge import Judge, JudgeStats
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ def unseen_by_teacher(params: Params, passages: Sequence[Passage]) -> list[Passa
     if not ws.enabled or not passages:
         return list(passages)
     corpus = read_corpus(params.corpus_path, on_error="skip").passages
-    seen = teacher_document_ids(corpus, ws.documents, ws.held_out_share, ws.seed)
+    seen = {p.id for p in teacher_documents(corpus, ws.documents, ws.held_out_share, ws.seed)}
     return [p for p in passages if p.id not in seen]
 
 

@@ -42,6 +42,7 @@ from scope_lib.config import Params, WarmStartConfig, validate_params
 from scope_lib.models.engine import Completion, Sampling
 from scope_lib.protocol import prompts
 from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
+from scope_lib.retrieval import corpus
 from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_split
 from scope_lib.retrieval.index import build_or_open_index
@@ -130,8 +131,8 @@ def split_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> tuple[
 
 
 def teacher_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> list[Passage]:
-    """The documents the teacher writes every trace from (`retrieval.corpus.teacher_document_ids`)."""
-    return split_documents(passages, cfg)[0][:cfg.documents]
+    """The documents the teacher writes every trace from (`retrieval.corpus.teacher_documents`)."""
+    return corpus.teacher_documents(passages, cfg.documents, cfg.held_out_share, cfg.seed)
 
 
 def held_out_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> list[Passage]:
@@ -817,8 +818,7 @@ def teacher_examples(tokenizer, corpus_path: str | Path, cfg: WarmStartConfig, i
     """All SFT examples for the warm start: `cfg.documents` documents from the teacher's part of the corpus
     (split_documents), every role, every dialect in `cfg.dialects`. Deterministic for a seed."""
     stats = TeacherStats()
-    corpus = read_corpus(corpus_path)
-    documents = teacher_documents(corpus.passages, cfg)
+    documents = teacher_documents(read_corpus(corpus_path).passages, cfg)
     if len(documents) < 4:
         raise TeacherError(f"{corpus_path}: only {len(documents)} documents outside the held-out share; the "
                            "teacher needs at least 4")
