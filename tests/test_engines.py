@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import random
 import sys
 import time
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scope_lib.config import validate_params
 from scope_lib.models.engine import Completion, Engine, EngineRequestError, EngineUnavailable, Sampling
-from scope_lib.models.hf_engine import HFEngine
+from scope_lib.models.hf_engine import HFEngine, length_chunks
 from scope_lib.models.loading import make_engine
 from scope_lib.models.openai_engine import OpenAIEngine
 from scope_lib.models.vllm_engine import VLLMEngine
@@ -266,6 +267,33 @@ def test_hf_chunks_keep_order(model, tokenizer):
     assert engine.generate([], Sampling(max_new_tokens=5)) == []
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[]], Sampling(max_new_tokens=5))
+
+
+def test_length_chunks_split_where_a_prompt_is_less_than_half_the_longest():
+    lengths = [3000, 1600, 1400, 700, 500, 300, 100]
+    order = list(range(len(lengths)))
+    assert length_chunks(order, lengths) == [[0, 1], [2, 3], [4, 5, 6]]   # the last chunk is at most 512 wide
+    assert length_chunks(order, lengths, max_size=2) == [[0, 1], [2, 3], [4, 5], [6]]
+    assert length_chunks([0, 1, 2], [400, 100, 30]) == [[0, 1, 2]]
+    assert length_chunks([], []) == []
+
+
+def test_hf_prompts_of_mixed_lengths_are_generated_in_chunks_like_one_by_one(model, tokenizer):
+    """Prompts of 20 to 1,400 tokens go in three chunks, in one generate call, and each completion is what the
+    prompt gets alone (greedy), its log-probs those of a forward pass."""
+    engine = HFEngine(model, tokenizer)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 200) for _ in range(n)] for n in (1400, 20, 600, 1300, 650)]
+    greedy = Sampling(max_new_tokens=4, temperature=0.0)
+    sizes = []
+    original = engine._generate_chunk
+    engine._generate_chunk = lambda chunk, *a: sizes.append(len(chunk)) or original(chunk, *a)  # type: ignore
+    batch = engine.generate(prompts, greedy)
+    assert sizes == [2, 2, 1] and engine.calls == 1
+    engine._generate_chunk = original  # type: ignore
+    for prompt, completion in zip(prompts, batch, strict=True):
+        assert completion.token_ids == engine.generate([prompt], greedy)[0].token_ids
+        assert completion.logprobs == pytest.approx(forward_logprobs(model, prompt, completion.token_ids), abs=1e-4)
 
 
 def test_hf_lora_adapters(tiny_model_dir, tokenizer):

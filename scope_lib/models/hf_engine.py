@@ -42,6 +42,28 @@ def _first_stop_end(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | 
     return lo
 
 
+#: A generate chunk holds prompts at least 1/LENGTH_RATIO as long as its longest (a chunk whose longest prompt has
+#: at most UNSPLIT_WIDTH tokens takes the rest whole). Left padding to the longest prompt costs every row its prefill:
+#: one call of the CPU smoke evaluation's criterion grader (246 to 1,326 tokens) padded 23,743 tokens to 76,908.
+#: Split this way each chunk pads less than 2x (docs/benchmarks.md, "Judge calls": 2.0x faster on SmolLM2's shape).
+LENGTH_RATIO = 2
+UNSPLIT_WIDTH = 512
+
+
+def length_chunks(order: list[int], lengths: list[int], max_size: int | None = None) -> list[list[int]]:
+    """Split prompt indices `order` (longest first) into generate chunks of at most `max_size` prompts (None: no
+    limit), a new chunk starting where a prompt is shorter than 1/LENGTH_RATIO of its chunk's longest."""
+    chunks: list[list[int]] = []
+    for i in order:
+        chunk = chunks[-1] if chunks else None
+        if (chunk is not None and (max_size is None or len(chunk) < max_size)
+                and (lengths[chunk[0]] <= UNSPLIT_WIDTH or lengths[i] * LENGTH_RATIO >= lengths[chunk[0]])):
+            chunk.append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
 def _model_len(model) -> int | None:
     config = getattr(model, "config", None)
     value = getattr(config, "max_position_embeddings", None)
@@ -132,8 +154,7 @@ class HFEngine:
         budgets = fit_budgets(prompt_token_ids, sampling.max_new_tokens, self.max_model_len)
         results: list[Completion | None] = [None if b else no_room_completion() for b in budgets]
         order = sorted((i for i, b in enumerate(budgets) if b), key=lambda i: -len(prompt_token_ids[i]))
-        size = self.max_batch_size or max(1, len(order))
-        chunks = [order[i:i + size] for i in range(0, len(order), size)]
+        chunks = length_chunks(order, [len(p) for p in prompt_token_ids], self.max_batch_size)
         devices = ([self.device.index if self.device.index is not None else torch.cuda.current_device()]
                    if self.device.type == "cuda" else [])
         was_training = self.model.training
