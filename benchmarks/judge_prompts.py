@@ -57,7 +57,7 @@ def main() -> None:
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=0.0, logprobs=False)
     chunked = hf_engine.length_chunks
 
-    def one_chunk(order, _lengths, max_size=None):
+    def one_chunk(order, *_args):
         return [list(order)]
 
     rows, outputs = [], {}
@@ -68,7 +68,7 @@ def main() -> None:
         outputs[name] = [c.token_ids for c in engine.generate(prompts, sampling)]
         seconds = time.perf_counter() - started
         order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
-        chunks = split(order, lengths)
+        chunks = split(order, lengths, None, args.new_tokens)
         padded = sum(len(c) * lengths[c[0]] for c in chunks)
         rows.append((name, len(chunks), padded, seconds))
     hf_engine.length_chunks = chunked

@@ -275,6 +275,9 @@ def test_length_chunks_split_where_a_prompt_is_less_than_half_the_longest():
     assert length_chunks(order, lengths) == [[0, 1], [2, 3], [4, 5, 6]]   # the last chunk is at most 512 wide
     assert length_chunks(order, lengths, max_size=2) == [[0, 1], [2, 3], [4, 5], [6]]
     assert length_chunks([0, 1, 2], [400, 100, 30]) == [[0, 1, 2]]
+    # a call dominated by generation (a 2,000-token budget) is not split: each chunk would decode on its own
+    assert length_chunks(order, lengths, new_tokens=2000) == [[0, 1, 2, 3, 4, 5, 6]]
+    assert length_chunks(order, lengths, new_tokens=1000) == [[0, 1], [2, 3, 4, 5, 6]]
     assert length_chunks([], []) == []
 
 

@@ -42,22 +42,27 @@ def _first_stop_end(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | 
     return lo
 
 
-#: A generate chunk holds prompts at least 1/LENGTH_RATIO as long as its longest (a chunk whose longest prompt has
-#: at most UNSPLIT_WIDTH tokens takes the rest whole). Left padding to the longest prompt costs every row its prefill:
-#: one call of the CPU smoke evaluation's criterion grader (246 to 1,326 tokens) padded 23,743 tokens to 76,908.
-#: Split this way each chunk pads less than 2x (docs/benchmarks.md, "Judge calls": 2.0x faster on SmolLM2's shape).
+#: A generate chunk holds prompts at least 1/LENGTH_RATIO as long as its longest. Left padding to the longest prompt
+#: costs every row its prefill: one call of the CPU smoke evaluation's criterion grader (246 to 1,326 tokens) padded
+#: 23,743 tokens to 76,908. Split this way each chunk pads less than 2x (docs/benchmarks.md, "Judge calls": 2.0x
+#: faster on SmolLM2's shape). Each chunk pays its own decoding, so a chunk whose longest prompt is no longer than
+#: UNSPLIT_WIDTH tokens, or than LENGTH_RATIO x the new tokens (a call dominated by generation, such as long
+#: rollouts), takes the rest whole.
 LENGTH_RATIO = 2
 UNSPLIT_WIDTH = 512
 
 
-def length_chunks(order: list[int], lengths: list[int], max_size: int | None = None) -> list[list[int]]:
+def length_chunks(order: list[int], lengths: list[int], max_size: int | None = None,
+                  new_tokens: int = 0) -> list[list[int]]:
     """Split prompt indices `order` (longest first) into generate chunks of at most `max_size` prompts (None: no
-    limit), a new chunk starting where a prompt is shorter than 1/LENGTH_RATIO of its chunk's longest."""
+    limit), a new chunk starting where a prompt is shorter than 1/LENGTH_RATIO of its chunk's longest, when that
+    longest is wider than UNSPLIT_WIDTH and than LENGTH_RATIO x `new_tokens`."""
+    unsplit = max(UNSPLIT_WIDTH, LENGTH_RATIO * new_tokens)
     chunks: list[list[int]] = []
     for i in order:
         chunk = chunks[-1] if chunks else None
         if (chunk is not None and (max_size is None or len(chunk) < max_size)
-                and (lengths[chunk[0]] <= UNSPLIT_WIDTH or lengths[i] * LENGTH_RATIO >= lengths[chunk[0]])):
+                and (lengths[chunk[0]] <= unsplit or lengths[i] * LENGTH_RATIO >= lengths[chunk[0]])):
             chunk.append(i)
         else:
             chunks.append([i])
@@ -154,7 +159,8 @@ class HFEngine:
         budgets = fit_budgets(prompt_token_ids, sampling.max_new_tokens, self.max_model_len)
         results: list[Completion | None] = [None if b else no_room_completion() for b in budgets]
         order = sorted((i for i, b in enumerate(budgets) if b), key=lambda i: -len(prompt_token_ids[i]))
-        chunks = length_chunks(order, [len(p) for p in prompt_token_ids], self.max_batch_size)
+        chunks = length_chunks(order, [len(p) for p in prompt_token_ids], self.max_batch_size,
+                               sampling.max_new_tokens)
         devices = ([self.device.index if self.device.index is not None else torch.cuda.current_device()]
                    if self.device.type == "cuda" else [])
         was_training = self.model.training
