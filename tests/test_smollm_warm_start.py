@@ -34,9 +34,10 @@ pytestmark = pytest.mark.heavy  # `make test-slow`: a LoRA SFT slice of SmolLM2,
 
 #: The slice: the rubric writer's examples from 24 teacher documents, three times over, 4 a step (about 2.5
 #: minutes on 2 cores; twice over, 9 steps, was too few: 0.29), without the evaluation judges' traces
-#: (`eval_judges`). The rest of the recipe is params/smollm.yaml's.
+#: (`eval_judges`) or the grades on source sentences (`sentence_grades`). The rest is params/smollm.yaml's.
 RUBRIC_SLICE = {"documents": 24, "role_repeats": {"challenger": 0, "solver": 0, "gates": 0, "rubrics": 3,
-                                                  "grading": 0}, "eval_judges": False}
+                                                  "grading": 0}, "eval_judges": False,
+                "sentence_grades": False}
 #: The Judge for the measurement: no corrective retry, and room for 3-5 rubrics in the teacher's form (zero-shot
 #: SmolLM2 loops until the budget runs out).
 JUDGE = {"judge.parse_retries": 0, "judge.rubric_max_tokens": 128}
