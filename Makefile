@@ -69,9 +69,15 @@ chromium:
 # transformers, PEFT and TRL. Both always run (one red test must not hide the other suite's state); the target
 # fails if either failed. Each prints its 25 slowest tests, so the suite's cost shows in every log (docs/testing.md).
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider --durations=25
+# The main suite runs in TEST_WORKERS pytest-xdist workers (one torch thread each, tests/conftest.py): one per core
+# of the 2-core machines CI and the docs' timings use. A test file is one unit of work, and everything sharing the
+# repository's runs/smoke (the notebooks, notebook 01 in JupyterLab, the report fixture) is one unit, run first
+# (tests/conftest.py, `work_unit`). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) chromium
 	@main=0; unsloth=0; \
-	$(PYTEST) tests notebooks --nbval-lax -m "not heavy" $(PYTEST_ARGS) || main=$$?; \
+	$(PYTEST) tests notebooks --nbval-lax -m "not heavy" -n $(TEST_WORKERS) $(PYTEST_ARGS) \
+	  || main=$$?; \
 	$(PYTEST) tests/test_unsloth.py -m unsloth $(PYTEST_ARGS) || unsloth=$$?; \
 	echo "make test: main suite exit $$main, Unsloth suite exit $$unsloth"; \
 	test $$main -eq 0 -a $$unsloth -eq 0

@@ -283,26 +283,34 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> P
 def build_directory(final: str | os.PathLike, build: Callable[[Path], Any], *, marker: str = "config.json") -> Path:
     """`final`, built on first use by `build(tmp)` in a temporary folder beside it and renamed into place, so a
     reader never sees a half-built folder (a model, a cache entry). A folder holding `marker` is finished and
-    returned as it is; when two processes build at once, the first rename wins and the other build is dropped."""
+    returned as it is. One process builds at a time (an flock on `.<name>.lock` beside it, dropped however the
+    holder ends): another one asking meanwhile waits, then takes the finished folder instead of building it again.
+    The builder first removes what a killed build left (its temporary folders)."""
     import tempfile
+
+    from filelock import FileLock
 
     final = Path(final)
     if (final / marker).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache entry is shared like any model folder
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        if (final / marker).is_file():
+            log.info("%s was built by another process meanwhile; using it", final)
+            return final
+        for stale in final.parent.glob(f".{final.name}.build-*"):   # a build killed before its rename
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=final.parent))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / marker).is_file():
-                raise
-            log.info("%s was built concurrently; using that one", final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache entry is shared like any model folder
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:   # a non-empty folder without the marker: not ours to delete
+                raise RunError(f"{final} exists but holds no {marker}: move it away to rebuild it") from exc
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -46,15 +46,47 @@ def _unsloth_process(config) -> bool:
     return "unsloth" in (config.option.markexpr or "")
 
 
+#: The tests that share the repository's runs/smoke: nbval's notebooks (each reads what the one before it wrote),
+#: JupyterLab's notebook 01 and the papermill report fixture. Under `pytest -n` they run in one worker, in order.
+RUNS_SMOKE_UNIT = "runs/smoke"
+_RUNS_SMOKE_FILES = {"test_jupyterlab.py", "test_notebooks.py", "test_reports.py"}
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under pytest-xdist (`make test` runs 2 workers): its file, so a module's
+    fixtures are built once, except that everything touching runs/smoke is one unit (RUNS_SMOKE_UNIT)."""
+    file = nodeid.split("::", 1)[0]
+    return RUNS_SMOKE_UNIT if file.endswith(".ipynb") or Path(file).name in _RUNS_SMOKE_FILES else file
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out whole units (`work_unit`) in collection order. Its own `--dist loadgroup` reads
+    `xdist_group` marks by renaming test ids, which pytest 9 no longer lets it do, so the units are told to the
+    scheduler here."""
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup", "worksteal"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False   # the order collection gives: the runs/smoke unit first
+    return ByUnit(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Importing Unsloth patches transformers, PEFT and TRL for the whole process, so its tests never run beside
-    the others: outside a `-m unsloth` process they are deselected (and counted as deselected)."""
-    if _unsloth_process(config):
-        return
-    isolated = [item for item in items if item.get_closest_marker("unsloth")]
-    if isolated:
-        items[:] = [item for item in items if not item.get_closest_marker("unsloth")]
-        config.hook.pytest_deselected(items=isolated)
+    the others: outside a `-m unsloth` process they are deselected (and counted as deselected). In a pytest-xdist
+    worker the runs/smoke unit, the longest (about 4 minutes), comes first, so the other worker takes the rest
+    meanwhile."""
+    if not _unsloth_process(config):
+        isolated = [item for item in items if item.get_closest_marker("unsloth")]
+        if isolated:
+            items[:] = [item for item in items if not item.get_closest_marker("unsloth")]
+            config.hook.pytest_deselected(items=isolated)
+    if hasattr(config, "workerinput"):   # the workers collect; the controller schedules what they collected
+        items.sort(key=lambda item: work_unit(item.nodeid) != RUNS_SMOKE_UNIT)   # stable: the order within is kept
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -140,3 +172,4 @@ def report_run(shared_data, tmp_path_factory) -> Path:
         run_notebooks(REPO / "params" / "smoke.yaml", ["retrieval.top_k=2"], notebooks=REPORT_NOTEBOOKS,
                       reports_dir=run / "reports")
     return run
+

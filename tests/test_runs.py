@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
-from scope_lib.runs import RecordLog, Stage, atomic_write_json, atomic_write_text
+from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, atomic_write_text, build_directory
+
+#: A process that builds `final` with build_directory: the build appends its pid to `builds`, takes SLOW seconds,
+#: and the process prints the folder it got back.
+_BUILDER = """
+import os, sys, time
+from pathlib import Path
+from scope_lib.runs import build_directory
+
+final, builds, slow = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+
+def build(tmp):
+    with open(builds, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(slow)
+    (tmp / "config.json").write_text("{}")
+
+print(build_directory(final, build))
+"""
 
 
 def test_atomic_write_leaves_no_temp(tmp_path):
@@ -80,3 +101,45 @@ def test_manifest_refuses_to_resume_with_other_parameters(tmp_path):
     write_manifest(tmp_path, "a: 1\nrun: moved\n", science="a: 1\n")      # the same science: fine
     with pytest.raises(RuntimeError, match="other parameters"):
         write_manifest(tmp_path, "a: 2\n", science="a: 2\n")
+
+
+def _builder(tmp_path, slow_s: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _BUILDER, str(tmp_path / "cache" / "model"),
+                             str(tmp_path / "builds"), str(slow_s)], stdout=subprocess.PIPE, text=True)
+
+
+def test_two_processes_asking_for_one_folder_build_it_once(tmp_path):
+    """Parallel test workers (and two users' runs) ask for the same cache entry: the second waits for the first's
+    build instead of repeating it, and both get the finished folder."""
+    first = _builder(tmp_path, 3.0)
+    while not (tmp_path / "builds").exists():   # the first holds the lock and is building
+        assert first.poll() is None, "the first builder ended before building"
+        time.sleep(0.05)
+    second = _builder(tmp_path, 3.0)
+    outs = [p.communicate(timeout=120)[0].strip() for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0]
+    assert outs == [str(tmp_path / "cache" / "model")] * 2
+    assert (tmp_path / "builds").read_text().splitlines() == [str(first.pid)]   # one build, by the first
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".model.lock", "model"]
+
+
+def test_a_killed_build_leaves_nothing_the_next_one_keeps(tmp_path):
+    """SIGKILL mid-build leaves a temporary folder (and no finished one); the next build removes it."""
+    killed = _builder(tmp_path, 60.0)
+    while not (tmp_path / "builds").exists():
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait(timeout=30)
+    cache = tmp_path / "cache"
+    assert [p.name.startswith(".model.build-") for p in cache.iterdir() if p.name != ".model.lock"] == [True]
+    final = build_directory(cache / "model", lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert sorted(p.name for p in cache.iterdir()) == [".model.lock", "model"] and (final / "config.json").is_file()
+
+
+def test_a_folder_without_its_marker_is_not_overwritten(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "notes.txt").write_text("mine")
+    with pytest.raises(RunError, match="holds no config.json"):
+        build_directory(tmp_path / "model", lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert (tmp_path / "model" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.lock", "model"]   # its attempt removed
