@@ -59,6 +59,21 @@ def work_unit(nodeid: str) -> str:
     return RUNS_SMOKE_UNIT if file.endswith(".ipynb") or Path(file).name in _RUNS_SMOKE_FILES else file
 
 
+#: Units handed out first, in this order: the runs/smoke unit (the longest), then test_eval_judge.py, whose `scope
+#: eval` test loads the warm-started smoke model: from an empty cache the second worker builds that model (about
+#: 2 minutes) while the first builds notebook 01's index, instead of one worker building both.
+_FIRST_UNITS = (RUNS_SMOKE_UNIT, "tests/test_eval_judge.py")
+#: Inside the runs/smoke unit: the papermill report fixture (notebooks 01-03: it builds runs/smoke's index) first,
+#: then nbval's notebooks, then JupyterLab's notebook 01 on the built index.
+_RUNS_SMOKE_ORDER = {"test_notebooks.py": 0, "test_reports.py": 0, "test_jupyterlab.py": 2}
+
+
+def _schedule_order(item) -> tuple[int, int]:
+    unit = work_unit(item.nodeid)
+    first = _FIRST_UNITS.index(unit) if unit in _FIRST_UNITS else len(_FIRST_UNITS)
+    return first, _RUNS_SMOKE_ORDER.get(Path(str(item.path)).name, 1) if unit == RUNS_SMOKE_UNIT else 0
+
+
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist hands out whole units (`work_unit`) in collection order. Its own `--dist loadgroup` reads
     `xdist_group` marks by renaming test ids, which pytest 9 no longer lets it do, so the units are told to the
@@ -71,22 +86,21 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-    config.option.loadscopereorder = False   # the order collection gives: the runs/smoke unit first
+    config.option.loadscopereorder = False   # the workers' order (`_schedule_order`), not the largest unit first
     return ByUnit(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     """Importing Unsloth patches transformers, PEFT and TRL for the whole process, so its tests never run beside
     the others: outside a `-m unsloth` process they are deselected (and counted as deselected). In a pytest-xdist
-    worker the runs/smoke unit, the longest (about 4 minutes), comes first, so the other worker takes the rest
-    meanwhile."""
+    worker the tests are ordered for the scheduler (`_FIRST_UNITS`, `_RUNS_SMOKE_ORDER`)."""
     if not _unsloth_process(config):
         isolated = [item for item in items if item.get_closest_marker("unsloth")]
         if isolated:
             items[:] = [item for item in items if not item.get_closest_marker("unsloth")]
             config.hook.pytest_deselected(items=isolated)
     if hasattr(config, "workerinput"):   # the workers collect; the controller schedules what they collected
-        items.sort(key=lambda item: work_unit(item.nodeid) != RUNS_SMOKE_UNIT)   # stable: the order within is kept
+        items.sort(key=_schedule_order)   # stable: the collection's order within each rank is kept
 
 
 @pytest.fixture(scope="session", autouse=True)
