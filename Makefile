@@ -84,7 +84,7 @@ test: $(STAMP) chromium
 
 # The heavy end-to-end checks (marker `heavy`); CI runs them after `make test` when time allows (.ci/run).
 test-slow: $(STAMP)
-	$(PYTEST) tests -m heavy $(PYTEST_ARGS)
+	$(PYTEST) tests -m heavy -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # ruff, the import contracts of pyproject.toml (layers, no circles), and the layer drawing in docs/ is current.
 lint: $(STAMP)
