@@ -187,4 +187,3 @@ def report_run(shared_data, tmp_path_factory) -> Path:
         run_notebooks(REPO / "params" / "smoke.yaml", ["retrieval.top_k=2"], notebooks=REPORT_NOTEBOOKS,
                       reports_dir=run / "reports")
     return run
-
