@@ -49,7 +49,7 @@ def _params(args):
     return load_params(args.params, args.override)
 
 
-def _torch_params(args, *, models: bool = False, corpus: bool = False):
+def _torch_params(args, *, models: bool = False, corpus: bool = False, judges: bool = False):
     """Parameters for a command that runs torch (embedders, models): `engine.torch_threads` applied and, with
     `models`, every model the loader cannot build itself prepared first (the smoke warm start). `corpus`: the
     corpus must hold a passage, checked before anything reads it (the warm start, the index build)."""
@@ -64,7 +64,7 @@ def _torch_params(args, *, models: bool = False, corpus: bool = False):
     if models:
         from scope_lib.smoke.warm_start import prepare
 
-        prepare(params)
+        prepare(params, judges=judges)
     return params
 
 
@@ -251,7 +251,7 @@ def cmd_eval(args) -> int:
     from scope_lib.evaluation.calibration import untrusted_line
     from scope_lib.evaluation.evaluate import evaluate, untrusted_judges
 
-    params = _torch_params(args, models=True)
+    params = _torch_params(args, models=True, judges=True)
     summaries = evaluate(params, args.checkpoint or None, args.benchmarks or None)
     trust = {True: "yes", False: "NO", None: "-"}
     print(f"{'checkpoint':<22} {'benchmark':<16} {'scorer':<12} {'score':>7}  95% CI          invalid  judge trusted")

@@ -570,6 +570,30 @@ EVAL_JUDGE_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+#: The `Params.use_local_model` name under which `smoke.warm_start.prepare(params, judges=True)` records the
+#: evaluation judges' adapter folder (`evaluation.judge_adapter`).
+JUDGE_ADAPTER_MODEL = "evaluation.judge_adapter"
+
+
+class JudgeAdapterConfig(Section):
+    """The local evaluation judges as a LoRA adapter on M0 (`evaluation.judge_backend: local`; CPU demos, not in the
+    paper, whose benchmark judges are other models): trained on the evaluation judges' teacher traces alone
+    (`smoke.eval_judge_teacher`: the short-form QA judge and the criterion grader, from the warm start's teacher
+    documents and settings), so these judges can be taught without changing M0, which the Challenger, the Solver
+    and the self-play Judge keep. Built once per M0 and settings, cached beside the warm-started models
+    (`smoke.judge_adapter`)."""
+
+    enabled: bool = Field(False, description="Judge with M0 + this adapter instead of M0 (judge_backend local).")
+    lora_rank: int = Field(8, ge=1, description="LoRA rank (alpha 2 x rank, every linear layer); at most "
+                           "model.lora_rank, the largest the engine serves.")
+    learning_rate: float = Field(1e-3, gt=0, description="SFT learning rate (cosine schedule).")
+    epochs: int = Field(1, ge=1, description="Passes over the traces.")
+    batch_size: int = Field(4, ge=1, description="SFT batch size.")
+    repeats: dict[Literal["qa_judge", "criterion_grader"], int] = Field(
+        {"qa_judge": 2, "criterion_grader": 1}, description="Times each trace of a judge role appears per pass.")
+    threads: int = Field(2, ge=1, description="torch threads for the SFT (the weights do not depend on it).")
+
+
 class EvaluationConfig(Section):
     """Evaluation (§4.1): benchmarks, the LLM judges that score them, the Solver's decoding and budgets."""
 
@@ -636,6 +660,16 @@ class EvaluationConfig(Section):
     accept_untrusted_judge: bool = Field(
         False, description="`scope eval` exits 0 although a judge failed its probe (its scores stay marked "
         "untrusted); the same as `scope eval --accept-untrusted-judge`.")
+    judge_adapter: JudgeAdapterConfig = Field(
+        default_factory=JudgeAdapterConfig, description="The local judges as M0 + a LoRA adapter taught the "
+        "judge prompts alone (off: M0 itself judges).")
+
+    @model_validator(mode="after")
+    def _adapter_needs_a_local_judge(self) -> EvaluationConfig:
+        if self.judge_adapter.enabled and self.judge_backend != "local":
+            raise ValueError("evaluation.judge_adapter.enabled needs evaluation.judge_backend: local (it is an "
+                             f"adapter on M0); judge_backend is {self.judge_backend!r}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -739,6 +773,14 @@ class Params(Section):
         if self.model.unsloth.fast_inference and self.engine.backend != "vllm":
             raise ValueError("model.unsloth.fast_inference makes Unsloth's vLLM engine the rollout engine: set "
                              f"engine.backend: vllm (it is {self.engine.backend!r}), or turn fast_inference off")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_adapter_rank(self) -> Params:
+        a = self.evaluation.judge_adapter
+        if a.enabled and a.lora_rank > self.model.lora_rank:
+            raise ValueError(f"evaluation.judge_adapter.lora_rank {a.lora_rank} exceeds model.lora_rank "
+                             f"{self.model.lora_rank}, the largest adapter rank the engine serves")
         return self
 
     def use_local_model(self, name: str, folder: str | os.PathLike) -> None:

@@ -30,7 +30,7 @@ from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.selfplay.judge import make_judge
 from scope_lib.selfplay.rollout import challenger_messages, encode_messages, make_challenger_prompts
-from scope_lib.smoke import protocol_check, teacher, warm_start
+from scope_lib.smoke import protocol_check, sft, teacher, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,8 +258,8 @@ def test_name_loss_splits_which_name_from_a_name(warm_tokenizer_dir):
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     w = 0.25
     with torch.no_grad():
-        loss = warm_start._sft_trainer_class(names, w).compute_loss(None, model, inputs)
-        plain = warm_start._sft_trainer_class(names, 1.0).compute_loss(None, model, inputs)
+        loss = sft._sft_trainer_class(names, w).compute_loss(None, model, inputs)
+        plain = sft._sft_trainer_class(names, 1.0).compute_loss(None, model, inputs)
         logits = model(input_ids=ids).logits[0, :-1].float()
     logp = torch.log_softmax(logits, -1)
     expected = []

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
-from scope_lib.config import Params
+from scope_lib.config import JUDGE_ADAPTER_MODEL, Params
 from scope_lib.evaluation import calibration as C
 from scope_lib.evaluation import scorers as S
 from scope_lib.evaluation.benchmarks import (
@@ -161,15 +161,8 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
             policies[ck.name] = Policy(ck, base, None)
         elif backend == "openai":
             policies[ck.name] = Policy(ck, base, ck.name)
-        elif ck.kind == "adapter" and backend == "vllm":
-            base.add_adapter(ck.name, ck.path)  # type: ignore[attr-defined]
-            policies[ck.name] = Policy(ck, base, ck.name)
         elif ck.kind == "adapter":
-            model = base.model  # type: ignore[attr-defined]
-            if ck.name not in (getattr(model, "peft_config", None) or {}):
-                with warnings.catch_warnings():  # "multiple adapters in the model": intended, one per checkpoint
-                    warnings.filterwarnings("ignore", message=".*peft_config.*")
-                    model.load_adapter(str(ck.path), adapter_name=ck.name)
+            load_adapter(base, ck.name, ck.path)
             policies[ck.name] = Policy(ck, base, ck.name)
         elif backend == "vllm":
             policies[ck.name] = Policy(ck, VLLMEngine(ck.path, max_model_len=params.model.max_model_len,
@@ -181,6 +174,22 @@ def open_policies(params: Params, checkpoints: list[Checkpoint | str], *, engine
             policies[ck.name] = Policy(ck, HFEngine(model, tokenizer, max_model_len=params.model.max_model_len),
                                        None)
     return policies
+
+
+def load_adapter(engine: Engine, name: str, path: str | Path) -> None:
+    """Serve the LoRA adapter saved in `path` under `name` on `engine`, beside M0: vLLM registers it
+    (`VLLMEngine.add_adapter`); an HF engine's model loads it once (`load_adapter`), selected per call."""
+    if isinstance(engine, VLLMEngine):
+        engine.add_adapter(name, path)
+    elif isinstance(engine, HFEngine):
+        model = engine.model
+        if name not in (getattr(model, "peft_config", None) or {}):
+            with warnings.catch_warnings():  # "multiple adapters in the model": intended, one per checkpoint
+                warnings.filterwarnings("ignore", message=".*peft_config.*")
+                model.load_adapter(str(path), adapter_name=name)
+    else:
+        raise ValueError(f"a local adapter ({name}) cannot be loaded into a {type(engine).__name__}: a served "
+                         "model takes its adapters at the server (e.g. vllm serve --lora-modules)")
 
 
 def verify_checkpoint(ck: Checkpoint) -> None:
@@ -202,20 +211,45 @@ def base_engine(policies: dict[str, Policy]) -> Engine | None:
 
 
 def judge_settings(params: Params, benchmark: str) -> JudgeSettings:
-    """The judge of a benchmark: its override, else the open-ended or short-form judge (§4.1)."""
+    """The judge of a benchmark: its override, else the open-ended or short-form judge (§4.1). With the local
+    judges' adapter (`evaluation.judge_adapter`) the model is named '<model>+<adapter folder>', so its replies,
+    cache entries and calibration are never mistaken for M0's."""
     e = params.evaluation
     cfg = e.benchmark_judges.get(benchmark) or (
         e.short_form_judge if BENCHMARKS[benchmark].kind == "short_form" else e.open_ended_judge)
-    return JudgeSettings(cfg.model, cfg.temperature, cfg.reasoning_effort, cfg.max_tokens)
+    model = cfg.model
+    if e.judge_backend == "local" and e.judge_adapter.enabled:
+        model = f"{model}+{Path(judge_adapter_folder(params)).name}"
+    return JudgeSettings(model, cfg.temperature, cfg.reasoning_effort, cfg.max_tokens)
+
+
+#: The name the local judges' adapter is served under.
+JUDGE_ADAPTER_NAME = "eval_judge"
+
+
+def judge_adapter_folder(params: Params) -> str:
+    """The evaluation judges' adapter (`evaluation.judge_adapter`), built by `smoke.warm_start.prepare(params,
+    judges=True)`, which `scope eval` and the notebooks that judge call."""
+    folder = params.local_model(JUDGE_ADAPTER_MODEL)
+    if folder is None:
+        raise ValueError("evaluation.judge_adapter is on but was not built: call "
+                         "scope_lib.smoke.warm_start.prepare(params, judges=True) first (scope eval does)")
+    return folder
 
 
 def make_benchmark_judge(params: Params, engine: Engine | None = None) -> BenchmarkJudge:
     """The judge client of `evaluation`: an OpenAI-compatible endpoint (the key from $judge_api_key_env only), or
-    the local engine (M0 with adapters off; the smoke run's offline judge), with the on-disk cache."""
+    the local engine (M0 with adapters off, or with the judges' own adapter, `evaluation.judge_adapter`; the
+    offline judge of the CPU runs), with the on-disk cache."""
     e = params.evaluation
     cache = JudgeCache(params.run_dir / "eval" / "judge_cache.sqlite") if e.judge_cache else None
     if e.judge_backend == "local":
-        backend: Any = LocalEngineBackend(engine or make_engine(params, "judge"), seed=params.selfplay.seed)
+        engine = engine or make_engine(params, "judge")
+        adapter = None
+        if e.judge_adapter.enabled:
+            load_adapter(engine, JUDGE_ADAPTER_NAME, judge_adapter_folder(params))
+            adapter = JUDGE_ADAPTER_NAME
+        backend: Any = LocalEngineBackend(engine, adapter=adapter, seed=params.selfplay.seed)
     else:
         backend = ChatCompletionsBackend(e.judge_base_url, api_key_env=e.judge_api_key_env,
                                          concurrency=e.judge_concurrency, timeout_s=e.judge_timeout_s,

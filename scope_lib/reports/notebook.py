@@ -63,7 +63,7 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     log_to_run_file(loaded.run_dir, level)
 
     apply_torch_threads(loaded)
-    prepared = prepare(loaded)
+    prepared = prepare(loaded, judges=True)   # notebooks 05-06 judge benchmarks (evaluation.judge_adapter)
     import_training_loader(prepared)  # Unsloth, when chosen, before transformers (the warm start is built without it)
     return prepared
 

@@ -20,22 +20,21 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from scope_lib.config import Params, TinyModelConfig, WarmStartConfig
+from scope_lib.config import JUDGE_ADAPTER_MODEL, Params, TinyModelConfig, WarmStartConfig
 from scope_lib.config import cache_dir as scope_cache_dir
 from scope_lib.models.tiny import TinyModelError, build_tiny_model, cache_key, cache_root, read_passages
 from scope_lib.retrieval.corpus import corpus_checksum, read_corpus
 from scope_lib.runs import build_directory
 from scope_lib.smoke import eval_judge_teacher
+from scope_lib.smoke.sft import sft
 from scope_lib.smoke.teacher import (
     REASONED_GRADING_MAX_TOKENS,
     protocol_fingerprint,
     protocol_texts,
     sft_passes,
-    swappable_names,
     teacher_documents,
     teacher_examples,
 )
@@ -59,79 +58,6 @@ def _index_name(corpus_path: str | os.PathLike, ws: WarmStartConfig) -> str:
     return f"{ws.embedder}-flat-{corpus_checksum(corpus_path)[:16]}"
 
 
-class _ProgressLog:
-    """A trainer callback that logs SFT progress (loss, steps, tokens per second, time left) through `logging`:
-    about ten lines a build at INFO (a report shows them), every logged step at DEBUG. The time left comes from the
-    tokens still to go at the rate so far, not from the steps: the sampler serves the longest batches first, so
-    the first steps take several times the average one."""
-
-    def __new__(cls, total_tokens: int):
-        import time
-
-        from transformers import TrainerCallback
-
-        class Callback(TrainerCallback):
-            reported = 0
-            started = time.perf_counter()
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if not logs or "loss" not in logs:
-                    return
-                tenth = 10 * state.global_step // max(1, state.max_steps)
-                level = logging.INFO if tenth > self.reported else logging.DEBUG
-                self.reported = max(self.reported, tenth)
-                seen, elapsed = state.num_input_tokens_seen, time.perf_counter() - self.started
-                rate = seen / elapsed if seen and elapsed > 0 else 0.0
-                left = f", about {(total_tokens - seen) / rate / 60:.0f} min left" if rate else ""
-                log.log(level, "warm start step %d/%d: loss %.3f, %.0f tokens/s%s", state.global_step,
-                        state.max_steps, logs["loss"], rate, left)
-
-        return Callback()
-
-
-def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1.0):
-    """TRL's SFTTrainer, with the loss computed here: TRL 1.15 always scores through its fused LM head, whose
-    kernel needs Triton, which CPU-only torch lacks. The loss is the token mean over the assistant's tokens,
-    projecting only those positions through the LM head.
-
-    Where the target is a name (a token of `name_ids`), the loss is `name_weight` x the token's cross-entropy
-    plus (1 - `name_weight`) x the cross-entropy of the name *class* (-log of the total probability of all
-    names): the model must be sure that a name comes there, and learns which one mostly by copying it from
-    the context rather than by memorising it."""
-    import torch
-    from trl import SFTTrainer
-
-    class CompletionSFTTrainer(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            labels = inputs["labels"][:, 1:]
-            if hasattr(model, "get_base_model"):     # a PEFT model (LoRA warm start): its adapters sit inside
-                model = model.get_base_model()
-            backbone = getattr(model, model.base_model_prefix)
-            hidden = backbone(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                              use_cache=False).last_hidden_state[:, :-1]
-            mask = labels != -100
-            targets = labels[mask]
-            logits = model.get_output_embeddings()(hidden[mask]).float()
-            per_token = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-            if name_ids and name_weight != 1.0:
-                names = torch.as_tensor(name_ids, device=logits.device)
-                lookup = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-                lookup[names] = True
-                is_name = lookup[targets]
-                total = torch.where(is_name, name_weight * per_token, per_token).sum()
-                if is_name.any():
-                    at_names = logits[is_name]
-                    name_class = torch.logsumexp(at_names, -1) - torch.logsumexp(at_names[:, names], -1)
-                    total = total + (1.0 - name_weight) * name_class.sum()
-                loss = total / max(1, targets.numel())
-            else:
-                count = num_items_in_batch if num_items_in_batch is not None else mask.sum()
-                loss = per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
-            return (loss, None) if return_outputs else loss
-
-    return CompletionSFTTrainer
-
-
 def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws: WarmStartConfig,
                index_dir: str | os.PathLike, *, max_length: int | None = None) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` in place on the teacher's protocol traces (TRL's SFTTrainer, loss on
@@ -145,9 +71,7 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws:
     import time
 
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig
+    from transformers import AutoTokenizer
 
     out = Path(model_dir)
     started = time.perf_counter()
@@ -161,41 +85,11 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws:
             stats.count(trace.role, trace.verdict)
     teacher_s = time.perf_counter() - started
     passes = sft_passes(examples, tokenizer, ws)
-    dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in passes],
-                                 "completion_mask": [e.completion_mask for e in passes],
-                                 "length": [len(e.input_ids) for e in passes]})
     longest = max(len(e.input_ids) for e in examples)
     if max_length is not None and longest > max_length:
         raise TinyModelError(f"the model's longest sequence ({max_length} tokens) is shorter than the longest "
                              f"teacher example ({longest} tokens)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(ws.threads)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(ws.seed)
-        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-        if ws.method == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=ws.lora_rank, lora_alpha=2 * ws.lora_rank,
-                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
-        work = Path(tempfile.mkdtemp(prefix=".sft-", dir=out))
-        try:
-            args = SFTConfig(
-                output_dir=str(work), per_device_train_batch_size=ws.batch_size, num_train_epochs=1,
-                learning_rate=ws.learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.0,
-                max_grad_norm=1.0, completion_only_loss=True, max_length=None, seed=ws.seed, data_seed=ws.seed,
-                train_sampling_strategy="group_by_length", save_strategy="no", report_to=[], logging_steps=10,
-                use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, dataloader_num_workers=0,
-                disable_tqdm=not log.isEnabledFor(logging.INFO), gradient_checkpointing=False,
-                include_num_input_tokens_seen="non_padding")
-            trainer_class = _sft_trainer_class(swappable_names(tokenizer), ws.name_loss_weight)
-            trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                    callbacks=[_ProgressLog(sum(len(e.input_ids) for e in passes))])
-            result = trainer.train()
-            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            torch.set_num_threads(threads)
+    model, result, losses = sft(out, passes, tokenizer, ws, work_dir=out)
     if ws.method == "lora":
         model = model.merge_and_unload()
     model.to(torch.float32).save_pretrained(out)
@@ -297,32 +191,57 @@ def warm_pretrained_path(source: str, corpus_path: str | os.PathLike, ws: WarmSt
                            build)
 
 
-def prepare(params: Params, cache_dir: str | os.PathLike | None = None) -> Params:
+def prepare(params: Params, cache_dir: str | os.PathLike | None = None, *, judges: bool = False) -> Params:
     """Build (or reuse) the warm-started M0 when `model.warm_start.enabled`, and record it on `params`
-    (`Params.use_local_model`) so that every role that runs M0 (policy, Judge, evaluation judge) loads it. Call
-    it before anything loads a model; a no-op otherwise. Returns `params`."""
+    (`Params.use_local_model`) so that every role that runs M0 (policy, Judge, evaluation judge) loads it. With
+    `judges` (`scope eval`, the notebooks that judge benchmarks), also the evaluation judges' adapter when
+    `evaluation.judge_adapter.enabled` (`smoke.judge_adapter`), recorded as JUDGE_ADAPTER_MODEL. Call it before
+    anything loads a model; a no-op otherwise. Returns `params`."""
+    _prepare_m0(params, cache_dir)
+    cfg = params.evaluation.judge_adapter
+    if judges and cfg.enabled and params.local_model(JUDGE_ADAPTER_MODEL) is None:
+        _check_judge_budgets(params, "evaluation.judge_adapter")
+        from scope_lib.smoke.judge_adapter import judge_adapter_path
+
+        m0 = params.local_model(params.model.base) or _m0_folder(params)
+        params.use_local_model(JUDGE_ADAPTER_MODEL, judge_adapter_path(m0, params.corpus_path,
+                                                                       params.model.warm_start, cfg, cache_dir))
+    return params
+
+
+def _m0_folder(params: Params) -> str:
+    """The folder of M0's weights (a hub id downloaded into the hub cache)."""
+    from scope_lib.models.loading import base_model_source
+
+    source = base_model_source(params, params.model.base)
+    if not Path(source).is_dir():
+        from huggingface_hub import snapshot_download
+
+        source = snapshot_download(source)
+    return source
+
+
+def _check_judge_budgets(params: Params, option: str) -> None:
+    """The taught judge replies take up to EVAL_JUDGE_MAX_TOKENS: the evaluation judges' budgets must hold them."""
+    e, limit = params.evaluation, eval_judge_teacher.EVAL_JUDGE_MAX_TOKENS
+    short = [(k, j.max_tokens) for k, j in (("short_form_judge", e.short_form_judge),
+                                            ("open_ended_judge", e.open_ended_judge)) if j.max_tokens < limit]
+    if short:
+        raise ValueError(f"{option}: the taught judge replies take up to {limit} tokens; "
+                         f"evaluation.{short[0][0]}.max_tokens is {short[0][1]} (raise it, or turn the option off)")
+
+
+def _prepare_m0(params: Params, cache_dir: str | os.PathLike | None) -> None:
     ws, base = params.model.warm_start, params.model.base
     if not ws.enabled or params.local_model(base) is not None:
-        return params
+        return
     if ws.grade_reasoning and params.judge.grading_max_tokens < REASONED_GRADING_MAX_TOKENS:
         raise ValueError(f"model.warm_start.grade_reasoning: the reasoned grades take up to "
                          f"{REASONED_GRADING_MAX_TOKENS} tokens; judge.grading_max_tokens is "
                          f"{params.judge.grading_max_tokens} (raise it, or turn grade_reasoning off)")
-    e, limit = params.evaluation, eval_judge_teacher.EVAL_JUDGE_MAX_TOKENS
-    short = [(k, j.max_tokens) for k, j in (("short_form_judge", e.short_form_judge),
-                                            ("open_ended_judge", e.open_ended_judge)) if j.max_tokens < limit]
-    if ws.eval_judges and short:
-        raise ValueError(f"model.warm_start.eval_judges: the taught judge replies take up to {limit} tokens; "
-                         f"evaluation.{short[0][0]}.max_tokens is {short[0][1]} (raise it, or turn eval_judges off)")
+    if ws.eval_judges:
+        _check_judge_budgets(params, "model.warm_start.eval_judges")
     if base == "tiny":
         params.use_local_model("tiny", warm_model_path(params.corpus_path, params.model.tiny, ws, cache_dir))
     else:
-        from scope_lib.models.loading import base_model_source
-
-        source = base_model_source(params, base)
-        if not Path(source).is_dir():
-            from huggingface_hub import snapshot_download
-
-            source = snapshot_download(source)
-        params.use_local_model(base, warm_pretrained_path(source, params.corpus_path, ws, cache_dir))
-    return params
+        params.use_local_model(base, warm_pretrained_path(_m0_folder(params), params.corpus_path, ws, cache_dir))
