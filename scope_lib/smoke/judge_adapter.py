@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 
 #: What the adapter's SFT did (examples, steps, loss, time), written beside it.
 ADAPTER_INFO = "scope_judge_adapter.json"
-#: The name the adapter is served under (`LocalEngineBackend(adapter=...)`).
-ADAPTER_NAME = "eval_judge"
 
 
 def adapter_settings(ws: WarmStartConfig, cfg: JudgeAdapterConfig) -> WarmStartConfig:
