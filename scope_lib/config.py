@@ -784,7 +784,8 @@ class Params(Section):
         return self
 
     def use_local_model(self, name: str, folder: str | os.PathLike) -> None:
-        """Load model `name` (e.g. 'tiny') from `folder` in this process."""
+        """Load model `name` (e.g. 'tiny') from `folder` in this process. The evaluation judges' adapter is
+        recorded the same way, under JUDGE_ADAPTER_MODEL (`smoke.warm_start.prepare(params, judges=True)`)."""
         self._local_models[name] = str(folder)
 
     def local_model(self, name: str) -> str | None:

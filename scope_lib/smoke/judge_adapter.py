@@ -80,16 +80,13 @@ def train_judge_adapter(m0: str | os.PathLike, corpus_path: str | os.PathLike, w
         stats.count(trace.role, trace.verdict)
     settings = adapter_settings(ws, cfg)
     passes = sft_passes([t.example for t in traces], tokenizer, settings)
-    model, result, losses = sft(m0, passes, tokenizer, settings, work_dir=out)
+    model, trained = sft(m0, passes, tokenizer, settings, work_dir=out)
     model.save_pretrained(str(out))
-    info = {"m0": Path(m0).name, "examples": stats.examples, "verdicts": stats.verdicts,
-            "sft_tokens": sum(len(e.input_ids) for e in passes), "steps": result.global_step,
-            "mean_loss": round(float(result.training_loss), 4),
-            "last_loss": round(float(sum(losses[-5:]) / len(losses[-5:])), 4) if losses else None,
+    info = {"m0": Path(m0).name, "examples": stats.examples, "verdicts": stats.verdicts, **trained,
             "total_s": round(time.perf_counter() - started, 1)}
     (out / ADAPTER_INFO).write_text(json.dumps(info, indent=2) + "\n")
     log.info("evaluation judge adapter: %d traces, %d steps, mean loss %.3f, %.0f s", len(traces),
-             result.global_step, result.training_loss, time.perf_counter() - started)
+             trained["steps"], trained["mean_loss"], time.perf_counter() - started)
     return info
 
 

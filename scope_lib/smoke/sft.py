@@ -93,7 +93,7 @@ def sft(source: str | os.PathLike, passes: list, tokenizer, ws: WarmStartConfig,
     """TRL's SFTTrainer on `passes` (`teacher.sft_passes`: loss on the completion tokens only) over the model in
     `source`: every weight (`ws.method: full`) or a new LoRA adapter (`lora`; the returned model is then a
     PeftModel). Seeded by `ws.seed`, on `ws.threads` torch threads; scratch files go to a temporary folder in
-    `work_dir`. Returns (model, TRL's train result, the logged losses)."""
+    `work_dir`. Returns (model, what the SFT did: tokens, steps, mean loss, mean of the last five logged losses)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -130,4 +130,6 @@ def sft(source: str | os.PathLike, passes: list, tokenizer, ws: WarmStartConfig,
         finally:
             shutil.rmtree(work, ignore_errors=True)
             torch.set_num_threads(threads)
-    return model, result, losses
+    return model, {"sft_tokens": sum(len(e.input_ids) for e in passes), "steps": result.global_step,
+                   "mean_loss": round(float(result.training_loss), 4),
+                   "last_loss": round(float(sum(losses[-5:]) / len(losses[-5:])), 4) if losses else None}

@@ -89,20 +89,17 @@ def warm_start(model_dir: str | os.PathLike, corpus_path: str | os.PathLike, ws:
     if max_length is not None and longest > max_length:
         raise TinyModelError(f"the model's longest sequence ({max_length} tokens) is shorter than the longest "
                              f"teacher example ({longest} tokens)")
-    model, result, losses = sft(out, passes, tokenizer, ws, work_dir=out)
+    model, trained = sft(out, passes, tokenizer, ws, work_dir=out)
     if ws.method == "lora":
         model = model.merge_and_unload()
     model.to(torch.float32).save_pretrained(out)
     info = {
         "method": ws.method, "examples": stats.examples, "tokens": stats.tokens,
         "completion_tokens": stats.completion_tokens, "documents": stats.documents, "verdicts": stats.verdicts,
-        "sft_tokens": sum(len(e.input_ids) for e in passes), "steps": result.global_step,
-        "mean_loss": round(float(result.training_loss), 4),
-        "last_loss": round(float(sum(losses[-5:]) / len(losses[-5:])), 4) if losses else None,
-        "teacher_s": round(teacher_s, 1), "total_s": round(time.perf_counter() - started, 1)}
+        **trained, "teacher_s": round(teacher_s, 1), "total_s": round(time.perf_counter() - started, 1)}
     (out / WARM_INFO).write_text(json.dumps(info, indent=2) + "\n")
     log.info("warm start (%s): %d examples (%d tokens) in %d steps, mean loss %.3f, %.0f s", ws.method,
-             len(examples), sum(stats.tokens.values()), result.global_step, result.training_loss,
+             len(examples), sum(stats.tokens.values()), trained["steps"], trained["mean_loss"],
              time.perf_counter() - started)
     return info
 
