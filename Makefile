@@ -38,8 +38,8 @@ demo-smollm: $(STAMP)
 
 # The learning check on 2 CPU cores (issue 32; docs/training.md, "The learning check"): params/smollm-learn.yaml trained
 # on its rewards and on shuffled rewards (the control), on two seeds (grpo.seed), then each checked on 48 held-out tasks
-# (`scope learning-check compare`, written to runs/<name>/learning_check/). SEEDS=42 runs one seed: about 1.3 hours
-# on 2 cores (docs/training.md, "The learning check on SmolLM2"), plus about two hours once for the held-out set.
+# (`scope learning-check compare`, written to runs/<name>/learning_check/). SEEDS=42 runs one seed: about 1 h 20 min
+# on 2 cores (docs/training.md, "The learning check on SmolLM2"), plus about 48 minutes once for the held-out set.
 SEEDS ?= 42 43
 LEARN := params/smollm-learn.yaml
 learning-smollm: $(STAMP)

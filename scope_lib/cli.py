@@ -321,6 +321,9 @@ def cmd_check_compare(args) -> int:
         print(f"{row['role']:<8} {row['checkpoint']:<28} {row['tasks']:>5} {row['mean rubric score']:>6.3f} "
               f"{row['success rate']:>8.3f} {'' if gain is None else f'{gain:+.3f}':>7}  "
               f"{'' if interval is None else f'[{interval[0]:+.3f}, {interval[1]:+.3f}]'}")
+    if check.over_control is not None:
+        c = check.over_control
+        print(f"trained - control, paired over the {c.n_tasks} tasks: {c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}]")
     if check.held_out.grader is not None:
         g = check.held_out.grader
         print(f"judge: the frozen grader's calibration probe: {g.numbers()} -> {'trusted' if g.trusted else 'UNTRUSTED'}")

@@ -287,6 +287,12 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     written = json.loads((run.run_dir / "learning_check" / "iter_01-solver-vs-base.json").read_text())
     assert written["verdict"]["learned"] and written["trained"]["ci95"][0] > 0 and written["control"]["tasks"] == 10
     assert written["grader_calibration"]["trusted"] and written["verdict"]["judge_trusted"]
+    # the trained checkpoint against the control's, paired over the same tasks: the gains' difference, its interval
+    over = written["over_control"]
+    assert over["before"] == "control-iter_01-solver" and over["after"] == "iter_01-solver" and over["tasks"] == 10
+    assert over["gain"] == pytest.approx(written["trained"]["gain"] - written["control"]["gain"])
+    assert over["ci95"][0] <= over["gain"] <= over["ci95"][1] and over["ci95"][0] > 0
+    assert f"trained - control, paired over the 10 tasks: {over['gain']:+.3f}" in out
     assert opened == [["base", "iter_01-solver", "control-iter_01-solver"]]
     calls = scripted.calls
     assert main(args + ["--control", str(control)]) == 0                      # everything stored: nothing opened

@@ -696,6 +696,7 @@ class LearningCheck:
     trained: Comparison
     control: Comparison | None
     verdict: Verdict
+    over_control: Comparison | None = None  # the trained checkpoint against the control's, paired over the tasks
 
     def table(self) -> list[dict[str, Any]]:
         """One row per checkpoint: its role, tasks, mean rubric score, success rate, and its gain over `before`
@@ -718,6 +719,7 @@ class LearningCheck:
                                        "success_threshold": ev.success_threshold}
                                 for role, ev in self.evaluations.items()},
                 "trained": self.trained.to_record(), "control": self.control.to_record() if self.control else None,
+                "over_control": self.over_control.to_record() if self.over_control else None,
                 "verdict": self.verdict.to_record()}
 
 
@@ -826,14 +828,15 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
     held_out, evaluations = evaluate_checkpoints(params, specs, **lent)
     lc = params.learning_check
 
-    def comparison(role: str) -> Comparison:
-        return compare_evaluations(evaluations["before"], evaluations[role], metric=metric,
+    def comparison(role: str, base: str = "before") -> Comparison:
+        return compare_evaluations(evaluations[base], evaluations[role], metric=metric,
                                    n_samples=lc.bootstrap_samples, seed=lc.seed)
 
     trained = comparison("after")
     controlled = comparison("control") if "control" in evaluations else None
     verdict = learning_verdict(trained, controlled, held_out.grader, lc.accept_untrusted_judge)
-    check = LearningCheck(held_out, evaluations, trained, controlled, verdict)
+    over_control = comparison("after", base="control") if controlled else None
+    check = LearningCheck(held_out, evaluations, trained, controlled, verdict, over_control)
     log.info("learning check of %s against %s: %s", trained.after, trained.before, check.verdict.reason)
     if write:
         atomic_write_json(params.run_dir / "learning_check" / f"{trained.after}-vs-{trained.before}.json",
