@@ -317,8 +317,9 @@ def test_the_learning_check_figure_and_table(built, params):
     trained = evaluate_checkpoint(params, held_out, policy("trained", c.engine, "trained"), c, progress=False)
     drift = evaluate_checkpoint(params, held_out, policy("control", c.engine, None), c, seed=3, progress=False)
     gain, control = compare_evaluations(m0, trained), compare_evaluations(m0, drift)
+    over = compare_evaluations(drift, trained)
     check = LearningCheck(held_out, {"before": m0, "after": trained, "control": drift}, gain, control,
-                          learning_verdict(gain, control))
+                          learning_verdict(gain, control), over)
     table = learning_check_table(check)
     assert table["role"].tolist() == ["before", "after", "control"]
     assert table["gain (score)"].tolist()[1:] == [pytest.approx(gain.gain), pytest.approx(control.gain)]
@@ -328,7 +329,8 @@ def test_the_learning_check_figure_and_table(built, params):
     after = next(t for t in fig.data if t.name == "after: trained")
     assert sorted(after.y) == sorted(gain.values_after) and len(after.x) == gain.n_tasks
     bars = [t for t in fig.data if t.type == "bar"]
-    assert [b.x[0] for b in bars] == ["trained", "control"] and bars[0].y[0] == pytest.approx(gain.gain)
+    assert [b.x[0] for b in bars] == ["trained", "control", "trained − control"]
+    assert bars[0].y[0] == pytest.approx(gain.gain) and bars[2].y[0] == pytest.approx(gain.gain - control.gain)
     assert bars[0].error_y.array[0] == pytest.approx(gain.ci95[1] - gain.gain)
 
 

@@ -437,7 +437,7 @@ def learning_check_table(check) -> Any:
 def learning_check_figure(check) -> Any:
     """Notebook 04's learning check: left, each held-out task's value before and after (sorted by before, joined
     by a line); right, the mean paired gain with its bootstrap 95% interval, beside the shuffled-reward
-    control's when there is one."""
+    control's when there is one, and the trained checkpoint against the control's, paired over the tasks."""
     from plotly.subplots import make_subplots
 
     trained, control = check.trained, check.control
@@ -454,6 +454,8 @@ def learning_check_figure(check) -> Any:
         fig.add_scatter(x=xs, y=[values[i] for i in order], mode="markers", name=name, marker={"color": colour},
                         text=[trained.task_ids[i] for i in order], row=1, col=1)
     bars = [("trained", trained, "#1f77b4")] + ([("control", control, "#ff7f0e")] if control is not None else [])
+    if check.over_control is not None:
+        bars.append(("trained − control", check.over_control, "#2ca02c"))
     for name, comparison, colour in bars:
         lo, hi = comparison.ci95
         fig.add_bar(x=[name], y=[comparison.gain], marker_color=colour, showlegend=False,
@@ -463,7 +465,7 @@ def learning_check_figure(check) -> Any:
     fig.update_xaxes(title_text="held-out task (sorted by its value before)", row=1, col=1)
     integer_axis(fig, xs, row=1, col=1)
     fig.update_yaxes(title_text=label, range=[-0.05, 1.05], row=1, col=1)
-    fig.update_yaxes(title_text=f"gain in {label} (after − before)", row=1, col=2)
+    fig.update_yaxes(title_text=f"gain in {label} (paired difference)", row=1, col=2)
     verdict = "learned" if check.verdict.learned else "not learned"
     fig.update_layout(title=f"Learning check: {trained.after} vs {trained.before} on held-out tasks "
                             f"(gain {trained.gain:+.3f}, 95% CI [{trained.ci95[0]:+.3f}, {trained.ci95[1]:+.3f}]; "
