@@ -23,7 +23,8 @@ own: rewards that carry no information move metrics too ("Spurious Rewards", arX
    gain) and a 95% percentile interval from resampling the tasks with replacement (seeded). A run *learned* only
    when the interval's lower bound is above 0 AND its gain is above the shuffled-reward control's
    (`grpo.reward_control: shuffled`: the same steps on permuted rewards); gain / control gain is reported (the
-   issue's target: at least 2).
+   issue's target: at least 2), and so is the trained checkpoint against the control's, paired over the tasks
+   (`LearningCheck.over_control`: whether the two runs can be told apart at all).
 4. **The Judge that scores it** (`grader_probe`): a check is only as good as its grader. Once per held-out set the
    frozen Judge's per-rubric grader answers the calibration probe (`selfplay.calibration.probe_grader`: a rubric's
    fact stated, removed or swapped in sentences of the corpus), stored beside the set. A gain scored by a grader
