@@ -456,3 +456,19 @@ def test_unparseable_rubrics_leave_the_challenger_the_chosen_reward(name, choice
     assert all(e.outcome == "no rubrics" and e.format.total == 1.0 for e in evals)
     expected = 0.5 * 1.0 if choice == "format" else 0.0
     assert [e.reward for e in evals] == pytest.approx([expected] * len(evals))
+
+
+@pytest.mark.parametrize("see_thinking", [False, True])
+def test_a_continued_rollout_numbers_its_search_turns_across_the_conversation(see_thinking, params, retriever,
+                                                                            tiny_tokenizer):
+    """X searches twice and answers; a replay keeps X's two search turns (re-rendered into the prompt, or as X's
+    token stream) and Y searches once more: Y's search is the conversation's third turn, not a new first."""
+    from scope_lib.evaluation.replay import replay_prefix
+
+    dialect, tok = get_dialect("qwen2.5"), tiny_tokenizer
+    (x,), _, limits = _solver_run(params, retriever, tok, ScriptedEngine(tok, dialect, solver_searches=2), 5, n=1)
+    assert x.finish == "answer" and [s.turn for s in x.searches] == [0, 1]
+    y = replay_prefix(x, "y", see_thinking=see_thinking, dialect=dialect, tokenizer=tok, max_searches=5)
+    run_rollouts([y], ScriptedEngine(tok, dialect, solver_searches=3), retriever, dialect, limits)
+    assert y.finish == "answer" and y.n_valid_searches == 3
+    assert [s.turn for s in y.searches] == [0, 1, 2]

@@ -88,7 +88,7 @@ def replay_prefix(traj: Trajectory, new_id: str, *, see_thinking: bool, dialect:
                        stops_in_thinking=0)
     visible = [{**m, "content": strip_thinking(m["content"])} if m["role"] == "assistant" else m for m in messages]
     fresh = new_trajectory(new_id, "solver", visible, tokenizer, max_searches=max_searches,
-                           meta={**meta, "prefix_tokens": 0})
+                           meta={**meta, "prefix_tokens": 0, "prompt_turns": kept_turns})
     fresh.searches = searches
     return fresh
 

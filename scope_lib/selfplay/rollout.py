@@ -37,7 +37,9 @@ Role = Literal["challenger", "solver"]
 class SearchRecord:
     """One search action the environment handled: the turn it was made in, its query, and what came back
     (a malformed action gets a correction instead). An action in a turn that cannot be followed gets no
-    reply and no record; the format and search rewards count actions from the turns' text (F.1, F.2)."""
+    reply and no record; the format and search rewards count actions from the turns' text (F.1, F.2).
+    `turn` counts the conversation's assistant turns from the rollout's first, across calls that continue it (a
+    forced answer, a replay; `conversation_turn`)."""
 
     turn: int
     query: str | None
@@ -297,6 +299,12 @@ def _context(traj: Trajectory, dialect: Dialect, tokenizer) -> list[int]:
     return traj.prompt_ids + traj.completion_ids
 
 
+def conversation_turn(traj: Trajectory) -> int:
+    """The index of `traj`'s last turn in its whole conversation: its own turns, plus the assistant turns a replay
+    re-rendered into its prompt (`meta["prompt_turns"]`, set by `evaluation.replay.replay_prefix`)."""
+    return traj.meta.get("prompt_turns", 0) + len(traj.turns) - 1
+
+
 def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
     traj.completion_ids.extend(ids)
     traj.env_mask.extend([mask] * len(ids))
@@ -357,7 +365,7 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             elif decision == "search":
                 searches.append((traj, action.query or ""))
             else:
-                traj.searches.append(SearchRecord(turn=turn, query=None, valid=False))
+                traj.searches.append(SearchRecord(turn=conversation_turn(traj), query=None, valid=False))
                 malformed.append(traj)
         replies: list[tuple[Trajectory, str | None]] = [(traj, None) for traj in malformed]
         if searches:
@@ -367,9 +375,8 @@ def run_rollouts(trajectories: list[Trajectory], engine: Engine, retriever: Retr
             stats.retrieval_calls += 1
             formatted = format_results_batch(hits, tokenizer, limits.max_result_tokens)
             for (traj, query), found, results in zip(searches, hits, formatted, strict=True):
-                turn = len(traj.turns) - 1 - before[id(traj)]
-                traj.searches.append(SearchRecord(turn=turn, query=query, valid=True, hit_ids=[h.id for h in found],
-                                                  results=results))
+                traj.searches.append(SearchRecord(turn=conversation_turn(traj), query=query, valid=True,
+                                                  hit_ids=[h.id for h in found], results=results))
                 replies.append((traj, results))
         _add_environment(replies, dialect, tokenizer)
     for traj in trajectories:
