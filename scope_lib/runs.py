@@ -630,17 +630,18 @@ def params_hash(params_yaml: str) -> str:
 
 
 def write_manifest(run_dir: str | os.PathLike, params_yaml: str, science: str | None = None,
-                   **facts: Any) -> Path:
+                   earlier_science: tuple[str, ...] = (), **facts: Any) -> Path:
     """runs/<name>/manifest.json: package versions, git sha, the params hash and whatever else the run states
     (seeds, corpus and index fingerprints, Judge models). The hash is over `science` (the parameters that
     decide results; default all of them). Resuming a run with different parameters is an error: results
-    would mix two configurations."""
+    would mix two configurations. `earlier_science`: the same parameters as an older version of the package
+    wrote them, so that its runs still resume (the manifest then takes the current hash)."""
     run_dir = Path(run_dir)
     path = run_dir / "manifest.json"
     digest = params_hash(params_yaml if science is None else science)
     if path.is_file():
         previous = read_json(path, "it is rewritten from params.yaml: delete it and start the same command again")
-        if previous.get("params_hash") not in (None, digest):
+        if previous.get("params_hash") not in (None, digest, *map(params_hash, earlier_science)):
             raise RuntimeError(
                 f"{run_dir} was started with other parameters (params hash {previous['params_hash'][:12]} vs "
                 f"{digest[:12]} now; the earlier ones are in {run_dir / 'params.yaml'}). Resuming would mix two "

@@ -118,6 +118,36 @@ def test_ids_and_documents_never_repeat_across_iterations(two_iterations):
     assert first and second and not first & second
 
 
+def test_a_finished_run_continues_with_more_iterations(tmp_path, wiki_sample, tiny_model_dir, retriever):
+    """Train one iteration, look at it, then ask for two: iteration 1 stays as it was and iteration 2 follows it
+    (documents after iteration 1's). A run whose manifest an older version hashed with the count resumes too;
+    any parameter that decides results still refuses."""
+    import json
+
+    from scope_lib.runs import params_hash
+    from scope_lib.selfplay.loop import science_yaml
+
+    one = fast_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 1})
+    run(one, **components(one, tiny_model_dir, retriever))
+    first = {p: p.read_bytes() for p in (one.run_dir / "iter_01").rglob("*") if p.is_file()}
+    two = fast_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 2})
+    run(two, **components(two, tiny_model_dir, retriever))
+    assert first and {p: p.read_bytes() for p in first} == first
+    assert all((two.run_dir / "iter_02" / stage / "DONE").is_file() for stage in ("challenger", "pool", "solver"))
+    assert stage_summary(two, 1, "pool")["documents"][1] <= stage_summary(two, 2, "challenger")["documents"][0]
+    manifest = two.run_dir / "manifest.json"
+    older = json.loads(manifest.read_text())
+    assert older["params_hash"] == params_hash(science_yaml(two)) == params_hash(science_yaml(one))
+    older["params_hash"] = params_hash(science_yaml(two, counted_iterations=2))   # as the count was hashed before
+    manifest.write_text(json.dumps(older))
+    three = fast_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 3})
+    open_run(three, **components(three, tiny_model_dir, retriever))
+    assert json.loads(manifest.read_text())["params_hash"] == params_hash(science_yaml(three))
+    other = fast_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 3, "grpo.learning_rate": 1e-3})
+    with pytest.raises(RuntimeError, match="other parameters"):
+        open_run(other, **components(other, tiny_model_dir, retriever))
+
+
 def stage_summary(params, t, stage):
     from scope_lib.runs import Stage, iteration_dir
 

@@ -167,7 +167,10 @@ def _on_cpu(params: Params) -> bool:
 
 def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None,
                     calibration: Calibration | None = None) -> None:
-    write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), model=params.model.base,
+    started = _started_with_iterations(params)
+    earlier = () if started is None else (science_yaml(params, counted_iterations=started),)
+    write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), earlier_science=earlier,
+                   model=params.model.base,
                    finetuning=params.model.finetuning, reward_control=params.grpo.reward_control,
                    held_out={"documents": params.learning_check.held_out_documents,
                              "permutation_seed": params.selfplay.seed},
@@ -179,20 +182,24 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
                    processes=ranks.world_size())
 
 
-def science_yaml(params: Params) -> str:
+def science_yaml(params: Params, *, counted_iterations: int | None = None) -> str:
     """The parameters that decide training results: everything but `run` (names and folders, so a run folder
     can be moved and still resume), `evaluation` and `learning_check` (how checkpoints are measured afterwards;
     but the documents the check holds out from training count), `model.loader` (transformers and Unsloth load the
-    same M0 and the same adapters: a run resumes with either) and `judge.calibration` (a probe of the grader when
-    the run opens: it changes no grade). Options added after runs existed are left out at their default
+    same M0 and the same adapters: a run resumes with either), `judge.calibration` (a probe of the grader when
+    the run opens: it changes no grade) and `selfplay.iterations` (iteration t never reads the count: a finished
+    run continues with more). Options added after runs existed are left out at their default
     (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, no held-out documents), so those runs
-    still resume."""
+    still resume. `counted_iterations`: the form before the count left the hash, for runs started then."""
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items()
                if k not in ("run", "evaluation", "learning_check")}
     science["model"].pop("loader")
     science["judge"].pop("calibration")
+    science["selfplay"].pop("iterations")
+    if counted_iterations is not None:
+        science["selfplay"]["iterations"] = counted_iterations
     if science["grpo"]["reward_control"] == "none":
         science["grpo"].pop("reward_control")
     if science["challenger"]["no_rubrics_reward"] == "format":
@@ -200,6 +207,18 @@ def science_yaml(params: Params) -> str:
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)
+
+
+def _started_with_iterations(params: Params) -> int | None:
+    """The `selfplay.iterations` the run folder was started with (its params.yaml); None for a new folder."""
+    import yaml
+
+    path = params.run_dir / "params.yaml"
+    try:
+        started = (yaml.safe_load(path.read_text()) or {}).get("selfplay", {}).get("iterations")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return started if isinstance(started, int) else None
 
 
 def _restore_roles(run: SelfPlayRun) -> None:
