@@ -69,14 +69,17 @@ def _torch_params(args, *, models: bool = False, corpus: bool = False, judges: b
 
 
 def writes_run(command):
-    """Commands that write to the run folder hold its lock for the life of the process (`runs.lock_run`)."""
+    """Commands that write to the run folder hold its lock for the life of the process (`runs.lock_run`) and log
+    to its run.log (`runs.log_to_run_file`: every INFO record, the libraries' too)."""
     @functools.wraps(command)
     def guarded(args) -> int:
-        from scope_lib.runs import lock_run
+        from scope_lib.runs import lock_run, log_to_run_file
         from scope_lib.selfplay.ranks import is_main
 
+        run_dir = _params(args).run_dir
         if is_main():  # several ranks (issue 24): rank 0 holds it; the others never write to the run folder
-            lock_run(_params(args).run_dir)
+            lock_run(run_dir)
+        log_to_run_file(run_dir)  # every rank's records, each line with its process id
         return command(args)
 
     return guarded
@@ -460,6 +463,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The loggers whose INFO records the terminal shows: this package's (and a script's own). Every other library's
+#: INFO (httpx logs one line per judge request) goes to the run's log file only; its warnings still show.
+TERMINAL_INFO_LOGGERS = ("scope", "scope_lib", "__main__")
+
+
+def _own_or_warning(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] in TERMINAL_INFO_LOGGERS
+
+
+def terminal_logging() -> None:
+    """What `scope` shows on the terminal: this package's INFO records and everyone's warnings, without the known
+    library notices (`models.noise`). The run's log file (`runs.log_to_run_file`, attached by the commands that
+    write a run) takes every record at INFO and above. A root logger that already has handlers (a caller's, a
+    test's) is left as it is."""
+    quiet_library_noise()
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_own_or_warning)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
 #: The exit status after SIGTERM (128 + 15, what a shell reports for a process SIGTERM ended).
 STOPPED_EXIT = 128 + signal.SIGTERM
 
@@ -468,8 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     from scope_lib.runs import Stopped, stop_on_sigterm
 
     args = build_parser().parse_args(argv)
-    quiet_library_noise()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    terminal_logging()
     if argv is None and args.command != "serve":  # the command line (not a caller's main([...])); a server stops
         stop_on_sigterm()                             # on SIGTERM as it always did
     if args.debug:

@@ -54,3 +54,35 @@ def test_every_command_drops_the_known_library_notices(caplog, capsys):
         logging.getLogger("torchao").warning("Failed to load /venv/torchao/_C_mxfp8.abi3.so: Could not load")
         logging.getLogger("torchao").warning("something a researcher should see")
     assert [r.getMessage() for r in caplog.records] == ["something a researcher should see"]
+
+
+_EVAL_THAT_LOGS = """
+import logging, sys
+from scope_lib import cli
+
+def logging_eval(args):  # what a `scope eval` against a served judge logs, without the models
+    logging.getLogger("httpx").info('HTTP Request: POST http://127.0.0.1:9/v1/chat/completions "HTTP/1.1 200 OK"')
+    logging.getLogger("scope_lib.evaluation.evaluate").info("judged 4 items")
+    logging.getLogger("httpx").warning("the judge endpoint answered slowly")
+    return 0
+
+cli.cmd_eval = cli.writes_run(logging_eval)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_library_info_lines_go_to_the_run_log_not_the_terminal(tmp_path):
+    """`scope eval` against a served judge: httpx's INFO line per request is in <run>/run.log, not on the terminal;
+    the package's own INFO lines and every library's warnings are on both."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EVAL_THAT_LOGS, "eval", str(REPO / "params" / "smoke.yaml"),
+                           "-o", f"run.runs_dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    run_log = (tmp_path / "smoke" / "run.log").read_text()
+    assert "HTTP Request: POST" not in done.stderr
+    assert "INFO scope_lib.evaluation.evaluate: judged 4 items" in done.stderr
+    assert "WARNING httpx: the judge endpoint answered slowly" in done.stderr
+    for line in ("INFO httpx: HTTP Request: POST", "judged 4 items", "WARNING httpx: the judge endpoint"):
+        assert line in run_log
