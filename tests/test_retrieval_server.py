@@ -385,3 +385,98 @@ def test_health_reports_a_stalled_batcher():
         thread.join()
         assert health.status_code == 503 and "stalled" in health.json()["detail"]
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+# -- the bound on any CPU (issue 46) ------------------------------------------------------------------------------
+
+
+class _SlowModel:
+    """A sentence-transformers model stand-in whose `encode` costs `seconds_per_char` per character: the CPU
+    slowed to any factor, with the work a sleep, so the test means the same on any machine and under any load."""
+
+    def __init__(self, seconds_per_char: float):
+        self.seconds_per_char = seconds_per_char
+
+    def encode(self, texts, **_):
+        import numpy as np
+
+        time.sleep(self.seconds_per_char * sum(len(t) for t in texts))
+        return np.ones((len(texts), 4), dtype=np.float32)
+
+
+def _slow_embedder(seconds_per_char: float, load_s: float, cache_root: Path):
+    """The real sentence-transformers embedder class and its real embedding cache, over `_SlowModel`, whose load
+    (on first use, as a real model's) takes `load_s`."""
+    from scope_lib.retrieval.embedders import EmbeddingCache, _SentenceTransformerEmbedder
+
+    class SlowEmbedder(_SentenceTransformerEmbedder):
+        loads = 0
+
+        def _load(self):
+            SlowEmbedder.loads += 1
+            time.sleep(load_s)
+            return _SlowModel(seconds_per_char)
+
+    embedder = SlowEmbedder("slow-test-model", device="cpu")
+    embedder.cache = EmbeddingCache("slow-test-model", root=cache_root)
+    return embedder
+
+
+class _SlowIndex:
+    """An embedding index over `_slow_embedder`: each query's hit is named after the query."""
+
+    def __init__(self, embedder):
+        self.embedder = embedder
+
+    def search(self, queries, k=None):
+        self.embedder.embed_queries(queries)
+        return [[Hit(q[:12], "t", "x", 1.0)] for q in queries]
+
+
+@pytest.mark.slow
+def test_one_query_waits_under_a_second_beside_the_largest_batch_on_a_slow_cpu(tmp_path):
+    """Issue 46. The embedder slowed so that the largest batch the server accepts (32 queries of 8,192 characters:
+    `MAX_REQUEST_CHARS`) costs 17 s and one of its queries 0.53 s. A fresh server whose embedding cache knows the
+    warm-up query (the model must still load before serving, 3 s), refused oversized requests, then cached traffic
+    (which must not grow the slices), then the maximal batch of fresh queries: one-query clients arriving 0.05 s,
+    1 s and 2 s into it are each answered within 1 s (the running search, then their own)."""
+    import threading
+
+    import numpy as np
+
+    from scope_lib.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
+
+    embedder = _slow_embedder(seconds_per_char=6.5e-5, load_s=3.0, cache_root=tmp_path)
+    cached = [f"cached {i:03d} " + "c" * 1090 for i in range(16)]
+    embedder.cache.put({text: np.ones(4, dtype=np.float32) for text in ["warm up", *cached]})
+    big = [f"{i:05d}" + "w" * (MAX_QUERY_CHARS - 5) for i in range(MAX_REQUEST_CHARS // MAX_QUERY_CHARS)]
+    with background_server(_SlowIndex(embedder), default_topk=1) as url:
+        loads_before_serving = embedder.loads
+        with httpx.Client(timeout=60) as client:
+            for oversized in (big + ["one more"], ["x" * 2000] * 1024, ["y" * 2000] * 256):
+                assert client.post(f"{url}/retrieve", json={"queries": oversized}).status_code == 413
+            assert client.post(f"{url}/retrieve", json={"queries": cached}).status_code == 200
+            answer: dict = {}
+
+            def batch():
+                answer["response"] = httpx.post(f"{url}/retrieve", json={"queries": big}, timeout=120)
+                answer["seconds"] = time.monotonic() - started
+
+            thread = threading.Thread(target=batch)
+            started = time.monotonic()
+            thread.start()
+            waits = []
+            for arrival in (0.05, 1.0, 2.0):
+                time.sleep(max(0.0, started + arrival - time.monotonic()))
+                asked = time.monotonic()
+                one = client.post(f"{url}/retrieve", json={"queries": [f"lonely {arrival}"]})
+                waits.append((round(asked - started, 2), round(time.monotonic() - asked, 3)))
+                print("one-query client (arrival s, wait s):", waits[-1])
+                assert one.status_code == 200 and one.json()["result"][0][0]["document"]["id"] == f"lonely {arrival}"
+            thread.join(timeout=120)
+    response = answer["response"]
+    assert response.status_code == 200
+    assert [row[0]["document"]["id"] for row in response.json()["result"]] == [q[:12] for q in big]
+    assert answer["seconds"] > 10, answer["seconds"]  # the batch ran its 17 s of work while the clients came
+    assert all(wait < 1.0 for _, wait in waits), waits  # (arrival s into the batch, wait s) of each one-query client
+    assert loads_before_serving == 1  # the model loaded before serving, though the cache knew the warm-up query

@@ -44,7 +44,9 @@ class ScopeEmbedder(EmbeddingFunction[Documents]):
 
     `embed_documents` / `embed_queries` return an (n, dim) matrix; chroma's `__call__` (documents) and
     `embed_query` (queries) return the same rows as a list. `n_documents_embedded` and `n_queries_embedded`
-    count texts, so tests can check that a reused index embeds nothing.
+    count texts, so tests can check that a reused index embeds nothing; `n_chars_cached` counts the characters
+    answered without computing (an embedding cache, a text repeated in one call), so the retrieval server can
+    tell a quick search of cached texts from a quick model. `warm_up()` loads what loads on first use.
     """
 
     #: What identifies the embedding model in an index fingerprint (a hub id, a path, a recipe).
@@ -54,6 +56,7 @@ class ScopeEmbedder(EmbeddingFunction[Documents]):
         self.batch_size = batch_size
         self.n_documents_embedded = 0
         self.n_queries_embedded = 0
+        self.n_chars_cached = 0
 
     # our API
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
@@ -66,6 +69,11 @@ class ScopeEmbedder(EmbeddingFunction[Documents]):
 
     def _embed(self, texts: list[str], query: bool) -> np.ndarray:
         raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Load what loads on first use and run it once, past any cache (`scope serve retrieval` calls it before
+        it serves: a cached warm-up query would leave the model to load inside the first client's search)."""
+        self._embed(["warm up"], query=True)
 
     # chromadb's API
     def __call__(self, input: Documents) -> Embeddings:
@@ -135,6 +143,7 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
         cache = self.cache
         known = cache.get(inputs) if cache is not None else {}
         todo = [t for t in dict.fromkeys(inputs) if t not in known]
+        self.n_chars_cached += sum(map(len, inputs)) - sum(map(len, todo))
         if todo:
             vectors = _normalise(self.model.encode(todo, batch_size=self.batch_size, normalize_embeddings=True,
                                                    convert_to_numpy=True, show_progress_bar=False))
@@ -143,6 +152,9 @@ class _SentenceTransformerEmbedder(ScopeEmbedder):
                 cache.put(fresh)
             known = {**known, **fresh}
         return np.stack([known[t] for t in inputs]).astype(np.float32)
+
+    def warm_up(self) -> None:
+        self.model.encode([self.query_prefix + "warm up"], convert_to_numpy=True, show_progress_bar=False)
 
     def get_config(self) -> dict[str, Any]:
         return {"model": self.model_name, "device": self.device, "batch_size": self.batch_size}

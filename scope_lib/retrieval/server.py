@@ -12,12 +12,15 @@ arrives while a search runs joins the next one (one embed + one index call for a
 cut back to its own topk), so many training workers share one index without queueing one by one.
 
 Fairness: a request is searched in slices, and every search takes one slice from each waiting request in turn
-(round robin, query by query) up to a budget the batcher sizes to about `SLICE_TARGET_S` of index work. A huge
-request therefore cannot hold the index: a one-query client waits for at most one slice (benchmark:
-benchmarks/retrieval_fairness.py). The app runs one search before it serves (`warm_up`): an embedder loads its
-model on first use (12 s on a slow 2-core CPU), and without it the first clients of a fresh server waited for that
-load whatever their size. /health answers 503 "stalled" when one search has run longer than `STALL_S` or the
-search thread died.
+(round robin, query by query) up to a budget the batcher sizes to about `SLICE_TARGET_S` of index work. A request
+that has not been searched yet goes first, alone unless more fits the budget; so a one-query client waits for the
+search running when it arrives, then its own (benchmark: benchmarks/retrieval_fairness.py). A search that only
+found cached embeddings never grows the budget (a fresh batch after cached traffic would otherwise run in slices
+sized for the cache). The app loads the embedder's model and runs one search before it serves (`warm_up`): the
+model loads on first use (12 s on a slow 2-core CPU), and the first clients of a fresh server waited for that load
+whatever their size (issue 46: the warm-up query was answered from the embedding cache, so the model still loaded
+inside the first client's search). /health answers 503 "stalled" when one search has run longer than `STALL_S` or
+the search thread died.
 
 Bad requests get a 4xx that says what is wrong (malformed JSON or fields, a non-finite or huge topk, a query
 that is not valid Unicode: 422; more than `max_queries` queries, more than `max_request_chars` characters of
@@ -147,13 +150,15 @@ class _Job:
 
 class SearchBatcher:
     """One search thread over a retriever. Every search merges the waiting requests round robin, one query of
-    each in turn, up to a budget of characters sized to about `target_s` of index work (doubled while searches
-    are quicker than half the target, scaled down when slower; at most `MAX_SLICE_CHARS`) and
-    `max_batch_queries`; a request larger than
-    that is finished over several searches, so no request waits behind a large one for more than about one
-    slice. A merged search runs at the largest topk and each request is cut back to its own. If a merged search
-    fails, each request's slice is retried alone, so one bad request cannot fail the others. `requests` /
-    `searches` count what it did; `busy_for` says how long the running search has taken."""
+    each in turn, while the next query fits a budget of characters sized to about `target_s` of index work
+    (doubled while searches of embedded, not cached, text are quicker than half the target, scaled down when
+    slower; at most `MAX_SLICE_CHARS`) and `max_batch_queries`; a search holds at least one query. A request
+    larger than that is finished over several searches. Requests not yet searched go first (and, so that a stream
+    of them cannot starve a large request, the search after one that left the large requests out starts with
+    those), so a new request waits for the running search and then its own. A merged search runs at the largest
+    topk and each request is cut back to its own. If a merged search fails, each request's slice is retried
+    alone, so one bad request cannot fail the others. `requests` / `searches` count what it did; `busy_for` says
+    how long the running search has taken."""
 
     def __init__(self, retriever: Retriever, max_batch_queries: int = MAX_BATCH_QUERIES,
                  target_s: float = SLICE_TARGET_S) -> None:
@@ -163,7 +168,9 @@ class SearchBatcher:
         self.budget_chars = INITIAL_SLICE_CHARS  # grows (or shrinks) with the measured speed of the index
         self.requests = 0
         self.searches = 0
-        self._jobs: deque[_Job] = deque()
+        self._new: deque[_Job] = deque()  # requests not searched yet: they go first
+        self._jobs: deque[_Job] = deque()  # requests part searched, round robin
+        self._skipped = False  # the last search started with new requests and left the part searched ones out
         self._cond = threading.Condition()
         self._closed = False
         self._busy_since: float | None = None
@@ -175,7 +182,7 @@ class SearchBatcher:
         if not job.queries:
             return []
         with self._cond:
-            self._jobs.append(job)
+            self._new.append(job)
             self._cond.notify()
         return job.future.result()
 
@@ -196,26 +203,34 @@ class SearchBatcher:
         self._thread.join(timeout=30)
 
     def _next_batch(self) -> list[tuple[_Job, int, int]]:
-        """(job, start, end) slices of the waiting requests, round robin, within the budget (lock held)."""
+        """(job, start, end) slices of the waiting requests, new ones first, then round robin, while the next
+        query fits the budget (lock held)."""
         slices: dict[_Job, list[int]] = {}
         chars = queries = 0
-        while self._jobs and queries < self.max_batch_queries and (chars < self.budget_chars or not queries):
-            job = self._jobs.popleft()
-            i = job.taken
-            job.taken += 1
-            chars += len(job.queries[i])
-            queries += 1
-            slices.setdefault(job, [i, i])[1] = i + 1
-            if job.taken < len(job.queries):
-                self._jobs.append(job)
+        new_first = bool(self._new) and not self._skipped
+        waiting_old = bool(self._jobs)
+        for queue in ((self._new, self._jobs) if new_first else (self._jobs, self._new)):
+            while queue and queries < self.max_batch_queries:
+                job = queue[0]
+                i = job.taken
+                if queries and chars + len(job.queries[i]) > self.budget_chars:
+                    break
+                queue.popleft()
+                job.taken += 1
+                chars += len(job.queries[i])
+                queries += 1
+                slices.setdefault(job, [i, i])[1] = i + 1
+                if job.taken < len(job.queries):
+                    self._jobs.append(job)
+        self._skipped = new_first and waiting_old and not any(s[0] > 0 for s in slices.values())
         return [(job, start, end) for job, (start, end) in slices.items()]
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._closed:
+                while not self._jobs and not self._new and not self._closed:
                     self._cond.wait()
-                if self._closed and not self._jobs:
+                if self._closed and not self._jobs and not self._new:
                     return
                 batch = self._next_batch()
             self._search(batch)
@@ -223,6 +238,8 @@ class SearchBatcher:
     def _search(self, batch: list[tuple[_Job, int, int]]) -> None:
         k = max(job.k for job, _, _ in batch)
         queries = [q for job, start, end in batch for q in job.queries[start:end]]
+        embedder = getattr(self.retriever, "embedder", None)
+        cached_before = getattr(embedder, "n_chars_cached", 0)
         self._busy_since = started = time.monotonic()
         try:
             self.searches += 1
@@ -237,7 +254,11 @@ class SearchBatcher:
                     self._search([piece])
             return
         self._busy_since = None
-        self._adapt(time.monotonic() - started, sum(len(q) for q in queries))
+        elapsed, chars = time.monotonic() - started, sum(len(q) for q in queries)
+        cached = getattr(embedder, "n_chars_cached", 0) - cached_before
+        log.debug("search %d: %d queries (%d chars, %d cached) from %d requests in %.3f s; budget %d chars",
+                  self.searches, len(queries), chars, cached, len(batch), elapsed, self.budget_chars)
+        self._adapt(elapsed, chars, max(0, chars - cached))
         at = 0
         for job, start, end in batch:
             if job.future.done():  # failed in an earlier slice
@@ -250,18 +271,20 @@ class SearchBatcher:
                 self.requests += 1
                 job.future.set_result(job.results)
 
-    def _adapt(self, elapsed: float, chars: int) -> None:
-        if chars < self.budget_chars:
-            return  # a small batch says little about the index's speed
-        if elapsed < self.target_s / 2:
+    def _adapt(self, elapsed: float, chars: int, embedded: int) -> None:
+        """Size the budget from a search of `chars` characters, `embedded` of them embedded (not cached), that
+        took `elapsed` seconds: a slow search shrinks it to what fits the target; a quick one doubles it only
+        when at least half the budget was embedded (a small or cached search says little about the next one)."""
+        if elapsed > self.target_s:
+            self.budget_chars = max(256, min(self.budget_chars, int(chars * self.target_s / elapsed)))
+        elif elapsed < self.target_s / 2 and 2 * embedded >= self.budget_chars:
             self.budget_chars = min(self.budget_chars * 2, MAX_SLICE_CHARS)
-        elif elapsed > self.target_s:
-            self.budget_chars = max(256, int(self.budget_chars * self.target_s / elapsed))
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         with self._cond:
-            if job in self._jobs:
-                self._jobs.remove(job)
+            for queue in (self._new, self._jobs):
+                if job in queue:
+                    queue.remove(job)
         self.requests += 1
         if not job.future.done():
             job.future.set_exception(exc)
@@ -290,11 +313,14 @@ class BodyLimit:
 
 
 def warm_up(retriever: Retriever) -> float:
-    """One search before serving, so that what loads on first use (an embedder's model, an index's pages) is not
-    waited for by the first clients. Seconds it took; a failure is logged, not raised (each request then gets the
-    503 that says why)."""
+    """Load the embedder's model (`warm_up()`, past its embedding cache) and run one search before serving, so that
+    what loads on first use (the model, an index's pages) is not waited for by the first clients. Seconds it took;
+    a failure is logged, not raised (each request then gets the 503 that says why)."""
     started = time.monotonic()
     try:
+        load = getattr(getattr(retriever, "embedder", None), "warm_up", None)
+        if callable(load):
+            load()
         retriever.search(["warm up"], 1)
     except Exception as exc:
         log.warning("retrieval warm-up search failed (%s: %s); requests will get 503 until it works",
