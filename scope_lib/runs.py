@@ -6,6 +6,8 @@ A stage directory holds `<name>.jsonl` record files and a `DONE` sentinel. Recor
 document -> task -> rubrics -> rollouts -> grades. A run killed mid-stage resumes from its records: a
 torn last line (the kill landed mid-write) is dropped, finished ids are skipped, none is written twice. A line
 damaged in the middle of a file is reported (file:line) and moved to `<file>.damaged`; the records after it stay.
+Each record carries a checksum of its own text (`CHECKSUM_KEY`), so damage that leaves valid JSON (a changed
+digit) is found too.
 """
 
 from __future__ import annotations
@@ -275,9 +277,61 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
+#: The key of a record's own checksum, the last of every line a run's JSONL writers write: the first 16 hex digits
+#: of the sha256 of the line's text without it. Readers check it and remove it; a record without it (written before
+#: checksums, e.g. the older part of a resumed run) is accepted as it is.
+CHECKSUM_KEY = "_sum"
+_SUM_TAIL = len(f'"{CHECKSUM_KEY}": "') + 16 + len('"}')
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+def record_line(record: dict[str, Any]) -> str:
+    """`record` as one JSONL line (with its newline) ending with its checksum: every run record is written so."""
+    if CHECKSUM_KEY in record:  # a record read raw elsewhere: its old checksum is not part of its content
+        record = {k: v for k, v in record.items() if k != CHECKSUM_KEY}
+    body = json.dumps(record, ensure_ascii=False, default=str)
+    return f'{body[:-1]}{", " if record else ""}"{CHECKSUM_KEY}": "{_digest(body.encode())}"}}\n'
+
+
+def parse_record(line: bytes) -> Any:
+    """The JSON value of one line written by `record_line`, without its checksum; None when the line does not
+    parse or its checksum does not match its text (a changed digit, a shortened string). A JSON object without
+    the checksum key is taken as it is (written before checksums)."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or CHECKSUM_KEY not in record:
+        return record
+    expected = record.pop(CHECKSUM_KEY)
+    text = line.rstrip(b"\r\n")
+    head, tail = text[:-_SUM_TAIL], text[-_SUM_TAIL:]
+    body = head[:-2] + b"}" if head.endswith(b", ") else b"{}" if head == b"{" else None
+    if (body is None or not isinstance(expected, str) or tail != f'"{CHECKSUM_KEY}": "{expected}"}}'.encode()
+            or _digest(body) != expected):
+        return None
+    return record
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> Path:
     """Replace a JSONL file atomically (for artifacts rewritten whole, e.g. an exploration's rollouts)."""
-    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+    return atomic_write_text(path, "".join(record_line(r) for r in records))
+
+
+def append_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> None:
+    """Append records to a JSONL file, flushed to disk; a kill or a full disk leaves at worst a torn last line
+    (which the readers drop). The error of a failed write names the file."""
+    text = "".join(record_line(r) for r in records)
+    try:
+        with safe_point(), open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise _named(exc, Path(path)) from exc
 
 
 def build_directory(final: str | os.PathLike, build: Callable[[Path], Any], *, marker: str = "config.json") -> Path:
@@ -317,8 +371,9 @@ def build_directory(final: str | os.PathLike, build: Callable[[Path], Any], *, m
 def scan_jsonl(path: str | os.PathLike, *, require_id: bool = False
                ) -> tuple[list[dict[str, Any]], list[tuple[int, bytes]], int]:
     """Read a JSONL file line by line: (valid records, damaged lines as (line number, bytes), bytes of a torn
-    final line). A record is valid when it is a JSON object (with a string `id` when `require_id`). The last
-    line without its newline is torn (a kill mid-write), not damaged."""
+    final line). A record is valid when it is a JSON object (with a string `id` when `require_id`) whose checksum
+    matches (`parse_record`): a line that parses but fails its checksum is damaged too. The last line without its
+    newline is torn (a kill mid-write), not damaged."""
     records, damaged, torn = [], [], 0
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
@@ -327,10 +382,7 @@ def scan_jsonl(path: str | os.PathLike, *, require_id: bool = False
                 break
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                record = None
+            record = parse_record(line)
             if isinstance(record, dict) and (not require_id or isinstance(record.get("id"), str)):
                 records.append(record)
             else:
@@ -428,13 +480,10 @@ class RecordLog:
                 fresh.append(r)
         if fresh:
             try:
-                with safe_point(), open(self.path, "a", encoding="utf-8") as f:
-                    f.write("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in fresh))
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as exc:  # e.g. disk full: what reached the file is at worst a torn last line
+                append_jsonl(self.path, fresh)
+            except OSError:  # e.g. disk full: what reached the file is at worst a torn last line
                 self._ids -= {r["id"] for r in fresh}
-                raise _named(exc, self.path) from exc
+                raise
         return len(fresh)
 
 
@@ -521,9 +570,27 @@ def load_weights(file: str | os.PathLike) -> dict[str, Any]:
     return tensors
 
 
+def verify_records(file: str | os.PathLike) -> str:
+    """Check every record of a run's JSONL file (JSON and checksum, `scan_jsonl`): "ok: N record(s)" or "FAIL:"
+    naming each damaged line as file:line and what to do."""
+    file = Path(file)
+    records, damaged, torn = scan_jsonl(file)
+    done = file.parent / "DONE"
+    remedy = f"delete {done} to redo that stage" if done.is_file() else \
+        "the next run moves it aside and redoes what it held"
+    if damaged:
+        where = ", ".join(f"{file}:{number}" for number, _ in damaged[:5])
+        more = f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
+        return f"FAIL: damaged record(s) (not JSON, or the checksum does not match) at {where}{more}: {remedy}"
+    if torn and done.is_file():
+        return f"FAIL: {file}: its last line is torn ({torn} bytes) although its stage is finished: {remedy}"
+    return f"ok: {len(records)} record(s)" + (f", a torn last line ({torn} bytes) dropped on resume" if torn else "")
+
+
 def verify_run(run_dir: str | os.PathLike) -> list[tuple[Path, str]]:
     """Check every saved checkpoint of a run (`scope runs verify`): the checksums of each finished stage's DONE
-    and that its weights load and are finite. Returns (stage, "ok: N files" or the problem) per stage."""
+    and that its weights load and are finite; then every record of its JSONL files (`verify_records`). Returns
+    (stage or file, "ok: ..." or the problem) per stage and per record file."""
     results = []
     for done in sorted(Path(run_dir).glob("iter_*/*/DONE")):
         stage = Stage(done.parent)
@@ -538,6 +605,7 @@ def verify_run(run_dir: str | os.PathLike) -> list[tuple[Path, str]]:
             results.append((stage.path, f"ok: {len(files)} file(s)" if files else "ok: no weights"))
         except RunError as exc:
             results.append((stage.path, f"FAIL: {exc}"))
+    results += [(file, verify_records(file)) for file in sorted(Path(run_dir).rglob("*.jsonl"))]
     return results
 
 

@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -114,11 +115,48 @@ def _write_records(path: Path, n: int) -> list[dict]:
     return records
 
 
-def _cut_line(path: Path, number: int) -> None:
-    """Cut line `number` (1-based) in half, keeping its newline: damage in the middle of the file."""
+def _cut(line: bytes) -> bytes:
+    return line[: len(line) // 2]
+
+
+def _change_a_digit(line: bytes) -> bytes:
+    """The last digit of the first reward, e.g. 0.5 -> 0.6: the line is still valid JSON."""
+    end = re.search(rb'"reward": -?[0-9.]+', line).end()
+    return line[: end - 1] + str((int(line[end - 1: end]) + 1) % 10).encode() + line[end:]
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [s for item in items for s in _strings(item)]
+
+
+def _shorten_a_string(line: bytes) -> bytes:
+    """The longest string of the record loses its second half: the line is still valid JSON."""
+    text = max(_strings(json.loads(line)), key=len)
+    return line.replace(json.dumps(text, ensure_ascii=False).encode(),
+                        json.dumps(text[: len(text) // 2], ensure_ascii=False).encode(), 1)
+
+
+#: Damage to one line in the middle of a file: cut in half (not JSON), or changed into other valid JSON that only
+#: the record's checksum can tell from the original (issue 46).
+DAMAGE = {"cut": _cut, "digit": _change_a_digit, "shortened": _shorten_a_string}
+
+
+def _damage_line(path: Path, number: int, damage: str = "cut") -> None:
+    """Damage line `number` (1-based), keeping its newline: damage in the middle of the file."""
     lines = path.read_bytes().split(b"\n")
-    lines[number - 1] = lines[number - 1][: len(lines[number - 1]) // 2]
+    damaged = DAMAGE[damage](lines[number - 1])
+    assert damaged != lines[number - 1]
+    if damage != "cut":
+        json.loads(damaged)  # still parses: only the checksum finds it
+    lines[number - 1] = damaged
     path.write_bytes(b"\n".join(lines))
+
+
+def _cut_line(path: Path, number: int) -> None:
+    _damage_line(path, number, "cut")
 
 
 def test_a_damaged_middle_line_is_moved_aside_and_every_valid_record_kept(tmp_path, caplog):
@@ -146,6 +184,65 @@ def test_a_torn_final_line_alone_is_dropped_as_before(tmp_path):
         f.write(b'{"id": "x", "va')
     assert len(RecordLog(path)) == 3 and path.stat().st_size == size
     assert not (tmp_path / "rollouts.jsonl.damaged").exists()
+
+
+@pytest.mark.parametrize("damage", ["digit", "shortened"])
+def test_a_record_damaged_into_other_valid_json_is_found_by_its_checksum_and_redone(tmp_path, caplog, damage):
+    path = tmp_path / "rollouts.jsonl"
+    records = [{"id": f"r{i:02d}", "chunk": i // 4, "reward": 0.5, "text": f"the answer to question {i} is here"}
+               for i in range(12)]
+    RecordLog(path).append(records)
+    _damage_line(path, 5, damage)
+    with caplog.at_level(logging.WARNING, logger="scope_lib.runs"):
+        assert read_jsonl(path) == records[:4] + records[5:]  # a notebook reader skips it (no checksum key shown)
+        assert f"{path}:5: damaged record skipped" in caplog.text
+        log = RecordLog(path)
+    assert f"{path}:5: damaged record moved to" in caplog.text and log.damaged == 1
+    assert log.ids == {r["id"] for r in records} - {"r04"}
+    assert (tmp_path / "rollouts.jsonl.damaged").read_text().count("\n") == 1
+    assert log.append(records) == 1  # the lost record is redone, once
+    assert sorted(read_jsonl(path), key=lambda r: r["id"]) == records and RecordLog(path).damaged == 0
+
+
+def test_an_old_run_without_checksums_resumes_with_nothing_lost_or_duplicated(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    old = _write_records(path, 8)  # written before records had checksums
+    with path.open("ab") as f:
+        f.write(b'{"id": "r08", "chu')  # and killed mid-write
+    log = RecordLog(path)
+    assert log.ids == {r["id"] for r in old} and log.damaged == 0
+    records = [{"id": f"r{i:02d}", "chunk": i // 4, "value": i} for i in range(12)]
+    assert log.append(records) == 4  # the resumed run appends what is missing, with checksums
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert ["_sum" in line for line in lines] == [False] * 8 + [True] * 4  # one file holds both: fine
+    assert read_jsonl(path) == records and list(RecordLog(path)) == records
+    assert log.retain(lambda r: r["chunk"] < 2) == 4 and read_jsonl(path) == records[:8]  # rewritten, checksummed
+    assert all("_sum" in json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_verify_names_each_damaged_record_by_file_and_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    pool = Stage(run / "iter_01" / "pool")
+    records = [{"id": f"c{i}", "chunk": 0, "evaluation": {"reward": 0.25 * i}} for i in range(6)]
+    pool.records("candidates").append(records)
+    health.report({"alarm": "zero_spread", "role": "solver", "iteration": 1, "step": 2, "message": "m"}, run)
+    assert main(["runs", "verify", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "iter_01/pool/candidates.jsonl" in out and "ok: 6 record(s)" in out and "health.jsonl" in out
+    _damage_line(pool.path / "candidates.jsonl", 3, "digit")
+    _damage_line(pool.path / "candidates.jsonl", 5, "shortened")
+    assert main(["runs", "verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    file = pool.path / "candidates.jsonl"
+    assert f"FAIL: damaged record(s) (not JSON, or the checksum does not match) at {file}:3, {file}:5" in out
+    assert "1 failed" in out
+    pool.records("candidates").append(records)  # the next run moves them aside and redoes them
+    assert main(["runs", "verify", str(run)]) == 0
+    pool.mark_done({})
+    with file.open("ab") as f:
+        f.write(b'{"id": "c9", "chu')  # a torn line in a finished stage: records were lost after it finished
+    assert main(["runs", "verify", str(run)]) == 1
+    assert f"FAIL: {file}: its last line is torn" in capsys.readouterr().out
 
 
 def test_notebook_readers_skip_a_damaged_line_naming_it(tmp_path, caplog):
@@ -177,7 +274,8 @@ def prepared(tmp_path_factory, wiki_sample, tiny_model_dir):
     return params, policy, engine, r
 
 
-def test_a_pool_record_damaged_in_the_middle_is_redone_and_the_pool_equals_the_original(prepared, caplog):
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_pool_record_damaged_in_the_middle_is_redone_and_the_pool_equals_the_original(prepared, caplog, damage):
     from scope_lib.selfplay.loop import build_pool
 
     params, _policy, _engine, r = prepared
@@ -189,7 +287,7 @@ def test_a_pool_record_damaged_in_the_middle_is_redone_and_the_pool_equals_the_o
     shutil.copytree(pool.path, saved)
     try:
         (pool.path / "DONE").unlink()  # as if killed before the end
-        _cut_line(pool.path / "candidates.jsonl", 2)  # a record of batch 0: later batches stay intact
+        _damage_line(pool.path / "candidates.jsonl", 2, damage)  # a record of batch 0: later batches stay intact
         with caplog.at_level(logging.WARNING):
             summary = build_pool(r, 1)
         assert "candidates.jsonl:2: damaged record moved to" in caplog.text
@@ -201,6 +299,35 @@ def test_a_pool_record_damaged_in_the_middle_is_redone_and_the_pool_equals_the_o
                [{k: v for k, v in c.items() if k not in drop} for c in original["candidates"]]
         assert again["tasks"] == original["tasks"]
         assert summary["candidates"] == len(original["candidates"]) and pool.done
+    finally:
+        shutil.rmtree(pool.path)
+        saved.rename(pool.path)
+
+
+def test_a_pool_written_before_checksums_resumes_with_nothing_lost_or_duplicated(prepared):
+    from scope_lib.selfplay.loop import build_pool
+
+    _params, _policy, _engine, r = prepared
+    pool = r.stage(1, "pool")
+    names = ("candidates", "tasks", "chunks")
+    original = {name: read_jsonl(pool.path / f"{name}.jsonl") for name in names}
+    saved = pool.path.parent / "pool-original"
+    shutil.copytree(pool.path, saved)
+    try:
+        (pool.path / "DONE").unlink()
+        for name in names:  # as an older version wrote them, killed before the last batch's marker
+            kept = original[name][:-1] if name == "chunks" else original[name]
+            (pool.path / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in kept))
+        build_pool(r, 1)
+        drop = ("time_total_s", "time_generation_s", "time_retrieval_s", "time_judge_s")
+        for name in names:
+            lines = [json.loads(line) for line in (pool.path / f"{name}.jsonl").read_text().splitlines()]
+            assert len({x["id"] for x in lines}) == len(lines) == len(original[name])  # none lost, none twice
+            assert [{k: v for k, v in x.items() if k not in drop} for x in read_jsonl(pool.path / f"{name}.jsonl")] \
+                == [{k: v for k, v in x.items() if k not in drop} for x in original[name]]
+        markers = [json.loads(line) for line in (pool.path / "chunks.jsonl").read_text().splitlines()]
+        assert ["_sum" in m for m in markers] == [False] * (len(markers) - 1) + [True]  # old and new in one file
+        assert pool.done and all(v.startswith("ok") for _, v in verify_run(r.run_dir))
     finally:
         shutil.rmtree(pool.path)
         saved.rename(pool.path)

@@ -20,7 +20,6 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -125,9 +124,10 @@ def report(alarm: dict[str, Any], run_dir: str | os.PathLike) -> bool:
         return False
     log.warning("HEALTH ALARM %s (%s, iteration %s, step %s): %s", alarm["alarm"], alarm.get("role"),
                 alarm.get("iteration"), alarm.get("step"), alarm["message"])
+    from scope_lib.runs import append_jsonl
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({**alarm, "time": time.time()}, default=str) + "\n")
+    append_jsonl(path, [{**alarm, "time": time.time()}])
     return True
 
 
