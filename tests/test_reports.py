@@ -298,3 +298,34 @@ def test_the_index_page_counts_alarms_and_failures(tmp_path):
     assert 'class="failed"' in text and "60 s" in text
     assert "abc123" in text and "f00d" in text and "Installed (from manifest.json): torch 2.13.0" in text
     assert "uncommitted" in text
+
+
+def test_the_index_page_says_not_shown_for_a_check_scored_by_an_untrusted_grader(tmp_path):
+    """One word per verdict (docs/training.md): a learning check whose grader failed its probe is "not shown" on
+    the index page, as in the check's own reason, never "not learned"."""
+    import pandas as pd
+
+    from scope_lib.config import CalibrationConfig
+    from scope_lib.evaluation.learning_check import Comparison, HeldOutSet, LearningCheck, learning_verdict
+    from scope_lib.reports.analysis import training_result
+    from scope_lib.reports.index_page import SUMMARY_MIMETYPE, write_index
+    from scope_lib.selfplay.calibration import ProbeItem, calibrate
+
+    always_yes = [ProbeItem(f"p{i}", "stated" if i % 2 else "removed", bool(i % 2), yes=True) for i in range(8)]
+    grader = calibrate("self-Judge grader", "grader", "m0", "grader@1", always_yes, CalibrationConfig())
+    assert not grader.trusted
+    trained = Comparison("base", "iter_01-solver", "score", ["a", "b"], [0.5, 0.5], [0.5, 0.5], (0.0, 0.0))
+    verdict = learning_verdict(trained, None, grader)
+    check = LearningCheck(HeldOutSet(tmp_path, "key", [], {}, grader), {}, trained, None, verdict)
+    line = training_result(pd.DataFrame(), pd.DataFrame(), 0, check)
+    assert verdict.outcome == "not shown" and "learning check not shown (gain +0.000, grader untrusted)" in line
+
+    reports = tmp_path / "run" / "reports"
+    reports.mkdir(parents=True)
+    code = {"cell_type": "code", "metadata": {}, "source": "", "execution_count": 1, "outputs": [
+        {"output_type": "execute_result", "execution_count": 1, "metadata": {},
+         "data": {"text/plain": line, SUMMARY_MIMETYPE: {"result": line, "facts": {}, "packages": {}}}}]}
+    nb = {"cells": [code], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (reports / "04_grpo_training.ipynb").write_text(json.dumps(nb))
+    text = write_index(tmp_path / "run").read_text()
+    assert "learning check not shown (gain +0.000, grader untrusted)" in text and "not learned" not in text

@@ -79,6 +79,8 @@ HELD_OUT_VERSION = 1
 #: The issue's bar for a trained run's gain over the shuffled-reward control's.
 TARGET_RATIO = 2.0
 METRICS = ("score", "success")
+#: The check's three verdicts (docs/training.md): every reason starts with one, and reports show it as it is.
+VERDICTS = ("learned", "not learned", "not shown")
 
 
 def _seed(*parts: Any) -> int:
@@ -624,13 +626,21 @@ class Verdict:
     judge: str | None = None  # the probe's numbers in one phrase
 
     @property
+    def outcome(self) -> str:
+        """The verdict in its word (VERDICTS): learned, not learned, or not shown (no control, or an untrusted
+        grader)."""
+        word = self.reason.split(":", 1)[0]
+        assert word in VERDICTS, f"a verdict's reason starts with one of {VERDICTS}: {self.reason!r}"
+        return word
+
+    @property
     def meets_target(self) -> bool:
         """Learned, with a gain at least TARGET_RATIO times the control's (the issue's bar)."""
         return self.learned and self.ratio is not None and self.ratio >= TARGET_RATIO
 
     def to_record(self) -> dict[str, Any]:
         ratio = self.ratio if self.ratio is None or math.isfinite(self.ratio) else "inf"
-        return {"learned": self.learned, "meets_target": self.meets_target, "target_ratio": TARGET_RATIO,
+        return {"learned": self.learned, "outcome": self.outcome, "meets_target": self.meets_target, "target_ratio": TARGET_RATIO,
                 "reason": self.reason, "gain": self.gain, "ci95": list(self.ci95), "control_gain": self.control_gain,
                 "control_ci95": list(self.control_ci95) if self.control_ci95 else None, "ratio": ratio,
                 "judge_trusted": self.judge_trusted, "judge": self.judge}
@@ -640,7 +650,8 @@ def learning_verdict(trained: Comparison, control: Comparison | None = None, gra
                      accept_untrusted_judge: bool = False) -> Verdict:
     """The verdict rule: learned only when the trained comparison's 95% lower bound is above 0 AND its gain is
     above the shuffled-reward control's gain (over the same `before`) AND the grader that scored both passed its
-    calibration probe (`grader`; an untrusted one only with `accept_untrusted_judge`, and the reason says so)."""
+    calibration probe (`grader`; an untrusted one only with `accept_untrusted_judge`, and the reason says so).
+    Scores of an untrusted grader show nothing either way: its verdict is "not shown", whatever the interval."""
     verdict = _gain_verdict(trained, control)
     if grader is None:
         return verdict
@@ -648,9 +659,9 @@ def learning_verdict(trained: Comparison, control: Comparison | None = None, gra
     if grader.trusted:
         return verdict
     why = f"the frozen Judge's grader failed its calibration probe ({'; '.join(grader.reasons)}: {grader.numbers()})"
-    if verdict.learned and not accept_untrusted_judge:
+    if not accept_untrusted_judge:
         verdict.learned = False
-        verdict.reason = (f"not shown: {verdict.reason.removeprefix('learned: ')}, but {why}, so its scores may not "
+        verdict.reason = (f"not shown: {verdict.reason.split(': ', 1)[1]}, but {why}, so its scores may not "
                           "follow the rubrics; fix the Judge (docs/evaluation.md, Judge calibration) or accept it "
                           "with learning_check.accept_untrusted_judge (--accept-untrusted-judge)")
     else:

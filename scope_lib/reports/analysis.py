@@ -466,7 +466,7 @@ def learning_check_figure(check) -> Any:
     integer_axis(fig, xs, row=1, col=1)
     fig.update_yaxes(title_text=label, range=[-0.05, 1.05], row=1, col=1)
     fig.update_yaxes(title_text=f"gain in {label} (paired difference)", row=1, col=2)
-    verdict = "learned" if check.verdict.learned else "not learned"
+    verdict = check.verdict.outcome
     fig.update_layout(title=f"Learning check: {trained.after} vs {trained.before} on held-out tasks "
                             f"(gain {trained.gain:+.3f}, 95% CI [{trained.ci95[0]:+.3f}, {trained.ci95[1]:+.3f}]; "
                             f"{verdict})", height=420)
@@ -487,9 +487,9 @@ def training_result(metrics, candidates, n_alarms: int, check=None) -> str:
                  if len(rewards) else "no Solver step")
     parts.append(f"{n_alarms} alarm{'s' if n_alarms != 1 else ''}")
     if check is not None:
-        verdict = "learned" if check.verdict.learned else "not learned"
-        trusted = "" if check.held_out.grader.trusted else ", grader untrusted"
-        parts.append(f"learning check {verdict} (gain {check.trained.gain:+.3f}{trusted})")
+        grader = check.held_out.grader
+        trusted = "" if grader is None or grader.trusted else ", grader untrusted"
+        parts.append(f"learning check {check.verdict.outcome} (gain {check.trained.gain:+.3f}{trusted})")
     return ", ".join(parts)
 
 
