@@ -480,3 +480,40 @@ def test_one_query_waits_under_a_second_beside_the_largest_batch_on_a_slow_cpu(t
     assert answer["seconds"] > 10, answer["seconds"]  # the batch ran its 17 s of work while the clients came
     assert all(wait < 1.0 for _, wait in waits), waits  # (arrival s into the batch, wait s) of each one-query client
     assert loads_before_serving == 1  # the model loaded before serving, though the cache knew the warm-up query
+
+
+def test_new_requests_go_first_alone_but_cannot_starve_a_large_one():
+    """The batcher's order (issue 46): a request not searched yet goes into the next search, alone when the large
+    request's next query does not fit the budget; a stream of new requests still leaves the large one every
+    second search; cached searches do not grow the budget, embedded ones do."""
+    from scope_lib.retrieval.server import INITIAL_SLICE_CHARS, SearchBatcher, _Job
+
+    class Embedder:
+        n_chars_cached = 0
+
+    class Index:
+        embedder = Embedder()
+
+        def search(self, queries, k=None):
+            return [[] for _ in queries]
+
+    batcher = SearchBatcher(Index())
+    batcher.close()  # no search thread: the test takes the searches itself
+    large = _Job(["L" * 2000] * 6, 1)
+    batcher._new.append(large)
+    assert [(len(j.queries), s, e) for j, s, e in batcher._next_batch()] == [(6, 0, 1)]
+    order = []
+    for i in range(4):
+        batcher._new.append(_Job([f"small {i}"], 1))
+        order.append([(len(j.queries), s, e) for j, s, e in batcher._next_batch()])
+    # small 0 alone; then the large request's turn (small 1 waits one search); small 1 and 2 together; large again
+    assert order == [[(1, 0, 1)], [(6, 1, 2)], [(1, 0, 1), (1, 0, 1)], [(6, 2, 3)]]
+    assert [j.queries[0] for j in batcher._new] == ["small 3"]
+    budget = batcher.budget_chars
+    assert budget == INITIAL_SLICE_CHARS
+    batcher._adapt(0.001, budget, embedded=0)  # all cached: says nothing about fresh text
+    assert batcher.budget_chars == budget
+    batcher._adapt(0.001, budget, embedded=budget)
+    assert batcher.budget_chars == 2 * budget
+    batcher._adapt(1.0, 2000, embedded=2000)  # one 2,000-character query took 1 s: shrink to what fits 0.1 s
+    assert batcher.budget_chars == 256
