@@ -32,10 +32,11 @@ import torch  # noqa: E402
 from scope_lib.config import load_params  # noqa: E402
 from scope_lib.models.loading import load_model_and_tokenizer  # noqa: E402
 from scope_lib.protocol import prompts  # noqa: E402
-from scope_lib.retrieval.corpus import read_corpus  # noqa: E402
+from scope_lib.protocol.facts import Names  # noqa: E402
+from scope_lib.retrieval.corpus import read_corpus, teacher_split  # noqa: E402
 from scope_lib.selfplay.judge import _encode_user  # noqa: E402
 from scope_lib.smoke.protocol_check import probe_case  # noqa: E402
-from scope_lib.smoke.teacher import Names, split_documents, swappable_names  # noqa: E402
+from scope_lib.smoke.teacher import swappable_names  # noqa: E402
 from scope_lib.smoke.warm_start import warm_model_path  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def main() -> None:
         return _encode_user(tok, text) if user else tok.encode(text, add_special_tokens=False)
 
     names = Names(tok)
-    pool, held = split_documents(read_corpus(params.corpus_path).passages, params.model.warm_start)
+    pool, held = teacher_split(read_corpus(params.corpus_path).passages, params.model.warm_start)
     rng = random.Random(0)
     kinds = ["short"] if args.prompt == "short" else ["short", "full"] if args.short_steps else ["full"]
     tests = {kind: grade_examples(held, names, encode, kind == "short", random.Random(1)) for kind in kinds}

@@ -38,11 +38,11 @@ def measure(params_path: str, args) -> list[dict]:
     import torch
 
     from scope_lib.models.loading import apply_torch_threads, make_engine
-    from scope_lib.retrieval.corpus import read_corpus
+    from scope_lib.protocol.facts import Names
+    from scope_lib.retrieval.corpus import read_corpus, unread_by_teacher
     from scope_lib.retrieval.index import build_or_open_index
     from scope_lib.selfplay.judge import make_judge
     from scope_lib.smoke.protocol_check import grader_sensitivity, measure_protocol
-    from scope_lib.smoke.teacher import Names, held_out_documents
     from scope_lib.smoke.warm_start import prepare
 
     overrides = ["model.warm_start.enabled=false"] if args.zero_shot else []
@@ -54,7 +54,7 @@ def measure(params_path: str, args) -> list[dict]:
     engine = make_engine(params)
     judge = make_judge(params, lambda _m: engine)
     retriever = build_or_open_index(params, progress=False)
-    held_out = held_out_documents(read_corpus(params.corpus_path).passages, params.model.warm_start)
+    held_out = unread_by_teacher(read_corpus(params.corpus_path).passages, params.model.warm_start)
     label = f"{Path(params_path).stem} ({params.model.base}{', zero-shot' if args.zero_shot else ''})"
     rows = []
     gate_sets = [list(params.judge.gates)]

@@ -73,12 +73,12 @@ def main() -> None:
     import torch
 
     from scope_lib.models.hf_engine import HFEngine
-    from scope_lib.retrieval.corpus import read_corpus
+    from scope_lib.protocol.facts import Names
+    from scope_lib.retrieval.corpus import read_corpus, unread_by_teacher
     from scope_lib.retrieval.index import build_or_open_index
     from scope_lib.selfplay.judge import make_judge
     from scope_lib.selfplay.rollout import challenger_trajectories, make_challenger_prompts
     from scope_lib.smoke.protocol_check import grader_sensitivity, measure_protocol
-    from scope_lib.smoke.teacher import Names, held_out_documents
 
     params = load_params(args.params)
     if args.builds:
@@ -92,7 +92,7 @@ def main() -> None:
     print(markdown_table([{**describe_tiny(path), **describe_warm_start(path)}]) + "\n")
 
     passages = read_corpus(params.corpus_path).passages
-    documents = held_out_documents(passages, params.model.warm_start)[:args.documents]
+    documents = unread_by_teacher(passages, params.model.warm_start)[:args.documents]
     from scope_lib.protocol.dialects import get_dialect
 
     sp = params.selfplay
@@ -116,7 +116,7 @@ def main() -> None:
 
     # Do the grades follow the answer? Controlled pairs on more held-out documents (the rollouts' own answers
     # rarely hold a rubric's fact, so their grades cannot tell a reading grader from a blind one).
-    probe_documents = held_out_documents(passages, params.model.warm_start)[:args.probe_documents]
+    probe_documents = unread_by_teacher(passages, params.model.warm_start)[:args.probe_documents]
     probe = grader_sensitivity(make_judge(params, lambda _m: engine), probe_documents, Names(tokenizer))
     print(f"## Grader sensitivity on {len(probe_documents)} held-out documents (grading temperature "
           f"{params.judge.grading_temperature}; the Judge seeds itself, so one run)\n")

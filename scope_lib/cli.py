@@ -251,8 +251,8 @@ UNTRUSTED_JUDGE_EXIT = 4
 
 @writes_run
 def cmd_eval(args) -> int:
-    from scope_lib.evaluation.calibration import untrusted_line
     from scope_lib.evaluation.evaluate import evaluate, untrusted_judges
+    from scope_lib.evaluation.judge_probes import untrusted_line
 
     params = _torch_params(args, models=True, judges=True)
     summaries = evaluate(params, args.checkpoint or None, args.benchmarks or None)
@@ -274,7 +274,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_check_build(args) -> int:
-    from scope_lib.evaluation.learning_check import held_out_set
+    from scope_lib.evaluation.held_out import held_out_set
 
     held_out = held_out_set(_torch_params(args, models=True))
     s = held_out.summary

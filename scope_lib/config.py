@@ -265,7 +265,7 @@ class JudgeConfig(Section):
         description="w_k per priority when rubric_weights = 'priority'.")
     calibration: CalibrationConfig = Field(
         default_factory=CalibrationConfig, description="Probe the per-rubric grader on controlled pairs from the "
-        "corpus when a run opens (`selfplay.calibration`); an untrusted grader raises the health alarm "
+        "corpus when a run opens (`selfplay.grader_probe`); an untrusted grader raises the health alarm "
         "untrusted_judge. Not part of the params hash: it decides no training result.")
 
 

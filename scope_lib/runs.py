@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -535,6 +536,24 @@ class Stage:
             raise RuntimeError(f"{self.path}: refusing to reset a finished stage")
         for child in self.path.iterdir():
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def finished_chunks(candidates: RecordLog, chunks: RecordLog, tasks: RecordLog) -> set[int]:
+    """The candidate batches of a task pool (or held-out set) that are complete on disk: a marker in chunks.jsonl
+    whose candidate and task counts match the records really there. A batch whose records were lost (a damaged
+    line moved aside) loses its marker and is redone."""
+    have_candidates = Counter(rec["chunk"] for rec in candidates)
+    have_tasks = Counter(rec["chunk"] for rec in tasks)
+    finished = set()
+    for marker in chunks:
+        k = marker["chunk"]
+        if have_candidates[k] == marker["candidates"] and have_tasks[k] == marker["kept"]:
+            finished.add(k)
+        else:
+            log.warning("%s: batch %d has %d of %d candidates and %d of %d tasks on disk: it is redone",
+                        chunks.path, k, have_candidates[k], marker["candidates"], have_tasks[k], marker["kept"])
+    chunks.retain(lambda marker: marker["chunk"] in finished)
+    return finished
 
 
 def sha256_file(path: str | os.PathLike) -> str:

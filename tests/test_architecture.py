@@ -75,3 +75,48 @@ def test_unsloth_is_imported_only_when_the_params_choose_it():
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "HF False" in done.stdout and "UNSLOTH True" in done.stdout, done.stdout[-500:]
+
+
+def _concept_rows() -> dict[str, str]:
+    """The concepts table of docs/architecture.md: subpackage (or flat module) -> its modules column."""
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text.split("## Concepts, subpackages and the paper", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        name = re.fullmatch(r"`(\w+)/?`", cells[1]) if len(cells) == 4 else None
+        if name:
+            rows[name.group(1)] = cells[2]
+    return rows
+
+
+def test_the_concepts_table_names_every_module_and_command():
+    """docs/architecture.md's concepts table has a row per subpackage naming each of its modules (`name`), the flat
+    modules have rows of their own, and the `cli` row names every `scope` command and subcommand."""
+    import argparse
+    import re
+
+    from scope_lib.cli import build_parser
+
+    rows = _concept_rows()
+    named = {row: set(re.findall(r"`(\w+)", cell)) for row, cell in rows.items()}
+    missing = []
+    for path in sorted((REPO / "scope_lib").rglob("*.py")):
+        parts = path.relative_to(REPO / "scope_lib").with_suffix("").parts
+        if parts[-1] == "__init__":
+            continue
+        if len(parts) == 1:
+            missing += [] if parts[0] in rows else [parts[0]]
+        elif parts[-1] not in named.get(parts[0], set()):
+            missing.append(".".join(parts))
+    assert not missing, f"modules missing from docs/architecture.md's concepts table: {missing}"
+
+    def commands(parser: argparse.ArgumentParser) -> list[str]:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return [name for sub in subs for name, child in sub.choices.items() for name in [name, *commands(child)]]
+
+    words = set(re.findall(r"[\w-]+", rows["cli"]))
+    absent = sorted(set(commands(build_parser())) - words)
+    assert not absent, f"`scope` commands missing from the concepts table's cli row: {absent}"

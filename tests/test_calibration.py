@@ -1,4 +1,4 @@
-"""Judge calibration (scope_lib.selfplay.calibration, scope_lib.evaluation.calibration): each probe fails a judge that
+"""Judge calibration (scope_lib.selfplay.grader_probe, scope_lib.evaluation.judge_probes): each probe fails a judge that
 says yes to everything, one that says no to everything and one that replies garbage, and passes a judge that reads;
 `scope eval` refuses an untrusted judge's numbers unless told to accept them, and writes them marked untrusted; a
 self-play run records its grader's probe in the manifest and raises the untrusted_judge alarm; the short-form
@@ -14,18 +14,17 @@ from scripted_engine import ScriptedEngine
 from scripted_judge import ScriptedJudgeBackend, fixed_reply, scripted_judge_server
 
 from scope_lib.config import CalibrationConfig, load_params
-from scope_lib.evaluation import calibration as C
+from scope_lib.evaluation import judge_probes as C
 from scope_lib.evaluation.benchmarks import BENCHMARKS
 from scope_lib.evaluation.judge import BenchmarkJudge, JudgeSettings
 from scope_lib.protocol.dialects import get_dialect
+from scope_lib.protocol.facts import fact_pairs, mentions
 from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.selfplay import health
-from scope_lib.selfplay.calibration import (
+from scope_lib.selfplay.grader_probe import (
     FACT_RUBRIC,
     ProbeItem,
     calibrate,
-    fact_pairs,
-    mentions,
     probe_grader,
 )
 from scope_lib.selfplay.judge import Judge

@@ -1,4 +1,4 @@
-"""The learning check (scope_lib/evaluation/learning_check.py): held-out documents training never samples, the
+"""The learning check (scope_lib/evaluation/held_out.py, learning_check.py): held-out documents training never samples, the
 held-out task set built once, cached and resumed, checkpoints evaluated on it, the paired bootstrap comparison
 and the verdict. A scripted engine that follows the protocol plays every model over the real Wikipedia sample;
 its Solver carries a planted signal: M0 answers like the scripted Solver but (seeded) half the time not at all,
@@ -13,19 +13,16 @@ from scripted_engine import ScriptedEngine, scripted_run_params
 
 from scope_lib.config import ParamsError
 from scope_lib.evaluation.evaluate import Checkpoint, Policy
+from scope_lib.evaluation.held_out import CheckComponents, held_out_set, screen_window
 from scope_lib.evaluation.learning_check import (
-    CheckComponents,
     compare_evaluations,
     evaluate_checkpoint,
-    held_out_set,
     learning_verdict,
     paired_bootstrap,
-    screen_window,
 )
 from scope_lib.protocol.dialects import get_dialect
-from scope_lib.retrieval.corpus import document_range, held_out_range
+from scope_lib.retrieval.corpus import document_range, held_out_documents, training_documents
 from scope_lib.selfplay.judge import Judge
-from scope_lib.selfplay.loop import training_documents
 
 DIALECT = get_dialect("qwen2.5")
 CHECK = {"learning_check.held_out_documents": 40, "learning_check.tasks": 10, "learning_check.samples": 2,
@@ -103,7 +100,7 @@ def policy(name: str, engine, adapter: str | None) -> Policy:
 
 def test_training_never_samples_a_held_out_document(params, passages):
     limit = training_documents(params, len(passages))
-    held = {p.id for p in held_out_range(passages, params.learning_check.held_out_documents, params.selfplay.seed)}
+    held = {p.id for p in held_out_documents(passages, params.learning_check.held_out_documents, params.selfplay.seed)}
     assert limit == len(passages) - 40 and len(held) == 40
     reached = set()
     for start in range(0, limit + 60, 7):          # past the limit too: training's ranges wrap inside it
@@ -112,7 +109,7 @@ def test_training_never_samples_a_held_out_document(params, passages):
     assert reached | held == {p.id for p in passages}   # every other document stays reachable
     # the reserved tail is the end of the same permutation training walks from its start
     assert [p.id for p in document_range(passages, limit, 40, params.selfplay.seed)] == \
-        [p.id for p in held_out_range(passages, 40, params.selfplay.seed)]
+        [p.id for p in held_out_documents(passages, 40, params.selfplay.seed)]
     with pytest.raises(ParamsError, match="held_out_documents"):
         training_documents(params.model_copy(update={"learning_check": params.learning_check.model_copy(
             update={"held_out_documents": len(passages)})}), len(passages))
@@ -120,7 +117,7 @@ def test_training_never_samples_a_held_out_document(params, passages):
 
 def test_the_held_out_set_is_m0s_tasks_on_reserved_documents_near_the_window(built, params, passages):
     held_out, *_ = built
-    reserved = {p.id for p in held_out_range(passages, 40, params.selfplay.seed)}
+    reserved = {p.id for p in held_out_documents(passages, 40, params.selfplay.seed)}
     lo, hi = screen_window(params)
     assert (lo, hi) == (pytest.approx(0.05), pytest.approx(0.95)) and held_out.window == (lo, hi)
     assert len(held_out.tasks) == params.learning_check.tasks == held_out.summary["tasks"]
@@ -213,7 +210,7 @@ def test_a_planted_signal_is_found_and_only_above_its_control_it_is_learning(bui
 def test_a_gain_scored_by_an_untrusted_grader_is_not_called_learned(grader, built, params, passages, tiny_tokenizer):
     """The same planted gain, beside the same control, scored by a grader that fails its probe (one that says yes
     to everything, one that replies garbage): "not shown" naming the probe, unless the untrusted judge is accepted."""
-    from scope_lib.evaluation.learning_check import grader_probe
+    from scope_lib.evaluation.held_out import probe_held_out_grader
 
     held_out, c, *_ = built
     m0 = evaluate_checkpoint(params, held_out, policy("base", c.engine, None), c, progress=False)
@@ -222,7 +219,7 @@ def test_a_gain_scored_by_an_untrusted_grader_is_not_called_learned(grader, buil
     comparison, control = (compare_evaluations(m0, x, n_samples=1000, seed=0) for x in (trained, drift))
     reply = "<think>skip</think>\n<score>1</score>" if grader == "always yes" else "I would rather not say."
     bad = ScriptedEngine(tiny_tokenizer, DIALECT, override=lambda role, context: reply if role == "grader" else None)
-    probe = grader_probe(params, CheckComponents(bad, Judge(bad, params.judge, seed=1), None, DIALECT, passages))
+    probe = probe_held_out_grader(params, CheckComponents(bad, Judge(bad, params.judge, seed=1), None, DIALECT, passages))
     assert not probe.trusted and bad.batch_sizes[0] == 24
     verdict = learning_verdict(comparison, control, probe)
     assert not verdict.learned and verdict.reason.startswith("not shown:") and "calibration probe" in verdict.reason
@@ -262,7 +259,7 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     import json
 
     from scope_lib.cli import main
-    from scope_lib.evaluation import learning_check
+    from scope_lib.evaluation import held_out, learning_check
 
     scripted = PlantedEngine(tiny_tokenizer, DIALECT, trained={"iter_01-solver"})
     opened = []
@@ -272,7 +269,7 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
         return {ck.name: Policy(ck, scripted, None if ck.kind == "base" else ck.name) for ck in checkpoints}
 
     monkeypatch.setattr(learning_check, "open_policies", open_policies)
-    monkeypatch.setattr(learning_check, "model_identity", lambda params: "scripted")
+    monkeypatch.setattr(held_out, "model_identity", lambda params: "scripted")
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path / "cache"))
     run = params.model_copy(deep=True)
     run.run.runs_dir = str(tmp_path / "runs")
@@ -355,7 +352,7 @@ def test_the_smollm_recipe_and_its_control_share_one_held_out_set():
     from pathlib import Path
 
     from scope_lib.config import load_params
-    from scope_lib.evaluation.learning_check import held_out_fingerprint
+    from scope_lib.evaluation.held_out import held_out_fingerprint
 
     path = Path(__file__).resolve().parents[1] / "params" / "smollm-learn.yaml"
     trained = load_params(path)

@@ -306,10 +306,11 @@ def test_the_index_page_says_not_shown_for_a_check_scored_by_an_untrusted_grader
     import pandas as pd
 
     from scope_lib.config import CalibrationConfig
-    from scope_lib.evaluation.learning_check import Comparison, HeldOutSet, LearningCheck, learning_verdict
+    from scope_lib.evaluation.held_out import HeldOutSet
+    from scope_lib.evaluation.learning_check import Comparison, LearningCheck, learning_verdict
     from scope_lib.reports.analysis import training_result
     from scope_lib.reports.index_page import SUMMARY_MIMETYPE, write_index
-    from scope_lib.selfplay.calibration import ProbeItem, calibrate
+    from scope_lib.selfplay.grader_probe import ProbeItem, calibrate
 
     always_yes = [ProbeItem(f"p{i}", "stated" if i % 2 else "removed", bool(i % 2), yes=True) for i in range(8)]
     grader = calibrate("self-Judge grader", "grader", "m0", "grader@1", always_yes, CalibrationConfig())

@@ -174,7 +174,7 @@ def test_the_pool_stops_before_the_learning_checks_held_out_documents(tmp_path, 
                                                                      retriever):
     """With `learning_check.held_out_documents` the task pool runs out of documents where the reserved tail
     begins: no candidate is written on a held-out document, however many tasks it still wants."""
-    from scope_lib.retrieval.corpus import held_out_range
+    from scope_lib.retrieval.corpus import held_out_documents
     from scope_lib.runs import Stage, iteration_dir
 
     params = fast_params(tmp_path, wiki_sample.parent, **{"learning_check.held_out_documents": 990,
@@ -185,7 +185,7 @@ def test_the_pool_stops_before_the_learning_checks_held_out_documents(tmp_path, 
     Stage(iteration_dir(params.run_dir, 1) / "challenger").mark_done({"documents": [0, 6]})  # Stage 1 used 0..5
     summary = build_pool(r, 1)
     assert summary["stopped"] == "documents ran out" and summary["documents"] == [6, 10]
-    held_out = {p.id for p in held_out_range(r.passages, 990, params.selfplay.seed)}
+    held_out = {p.id for p in held_out_documents(r.passages, 990, params.selfplay.seed)}
     written = {c["evaluation"]["document_id"] for c in records(params.run_dir, 1, "pool", "candidates")}
     assert len(written) == 4 and not written & held_out
     manifest = (params.run_dir / "manifest.json").read_text()
@@ -301,7 +301,7 @@ def test_grpo_seed_makes_a_replicate_on_the_same_documents():
     """`grpo.seed` shifts every stage's sampling seed (a replicate for the learning check's second seed); the
     documents, held-out tail included, follow `selfplay.seed` alone; the default shifts nothing."""
     from scope_lib.config import validate_params
-    from scope_lib.retrieval.corpus import Passage, document_range, held_out_range
+    from scope_lib.retrieval.corpus import Passage, document_range, held_out_documents
     from scope_lib.selfplay.loop import stage_seed
 
     first = validate_params({"selfplay": {"seed": 7}})
@@ -313,4 +313,4 @@ def test_grpo_seed_makes_a_replicate_on_the_same_documents():
     passages = [Passage(str(i), f"t{i}", "x") for i in range(50)]
     for p in (first, second):  # documents and the held-out tail: selfplay.seed's
         assert document_range(passages, 0, 10, p.selfplay.seed) == document_range(passages, 0, 10, 7)
-        assert held_out_range(passages, 5, p.selfplay.seed) == held_out_range(passages, 5, 7)
+        assert held_out_documents(passages, 5, p.selfplay.seed) == held_out_documents(passages, 5, 7)

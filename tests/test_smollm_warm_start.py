@@ -24,9 +24,11 @@ from fixtures_tiny import count_calls, weights_hash
 from scope_lib.config import load_params
 from scope_lib.models.hf_engine import HFEngine
 from scope_lib.models.loading import ModelNotPrepared, load_model_and_tokenizer, model_source
+from scope_lib.protocol import facts
+from scope_lib.retrieval import corpus
 from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.selfplay.judge import make_judge
-from scope_lib.smoke import protocol_check, teacher, warm_start
+from scope_lib.smoke import protocol_check, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,12 +72,12 @@ def _grounding(params, path: Path, documents) -> protocol_check.RubricGrounding:
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(path, dtype="float32", device="cpu")
     judge = make_judge(params, lambda _m: HFEngine(model, tok))
-    return protocol_check.rubric_grounding(judge, documents, teacher.Names(tok, params.model.warm_start.fact_max_tokens))
+    return protocol_check.rubric_grounding(judge, documents, facts.Names(tok, params.model.warm_start.fact_max_tokens))
 
 
 def test_the_warm_start_teaches_smollm2_to_write_rubrics_from_its_source(smollm_params, smollm_dir, rubric_slice):
     ws = smollm_params.model.warm_start
-    documents = teacher.held_out_documents(read_corpus(smollm_params.corpus_path).passages, ws)[:10]
+    documents = corpus.unread_by_teacher(read_corpus(smollm_params.corpus_path).passages, ws)[:10]
     zero_shot = _grounding(smollm_params, smollm_dir, documents)
     warmed = _grounding(smollm_params, rubric_slice, documents)
     print("zero-shot", zero_shot.table(), "\nwarm", warmed.table())

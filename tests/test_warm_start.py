@@ -24,8 +24,9 @@ from scope_lib.config import TinyModelConfig, WarmStartConfig, load_params
 from scope_lib.models.hf_engine import HFEngine
 from scope_lib.models.loading import load_model_and_tokenizer
 from scope_lib.models.tiny import cache_key
-from scope_lib.protocol import parsing
+from scope_lib.protocol import facts, parsing
 from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval import corpus
 from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.selfplay.judge import make_judge
@@ -104,7 +105,7 @@ def test_teacher_examples_parse_role_by_role(traces):
 def test_sentence_grades_reach_the_graders_examples(wiki_sample, warm_tokenizer_dir, tmp_path):
     """With `sentence_grades` the teacher's grading examples hold answers quoted from the sources, in several
     rubric wordings, each reply the verdict of whether the answer holds the rubric's fact."""
-    from scope_lib.selfplay.calibration import mentions
+    from scope_lib.protocol.facts import mentions
 
     tokenizer = AutoTokenizer.from_pretrained(warm_tokenizer_dir)
     cfg = WarmStartConfig(enabled=True, documents=12, sentence_grades=True)
@@ -126,7 +127,7 @@ def test_teacher_quality_is_mixed(traces):
     solver_searches = {len(_spans(e, tokenizer)) - 1 for e in examples if e.role == "solver"}
     assert {0, 1, 2} <= solver_searches
     tasks = [parsing.extract_task(_spans(e, tokenizer)[-1]) for e in examples if e.role == "challenger"]
-    names = teacher.Names(tokenizer)
+    names = facts.Names(tokenizer)
     named = [len(names.names(t)) for t in tasks]
     assert 0 in named and max(named) >= 2        # generic tasks and tasks naming several searched entities
     assert dialect.name == "qwen2.5"
@@ -153,7 +154,7 @@ def test_teacher_contexts_are_the_rollout_contexts(traces, wiki_sample):
     """A Challenger example starts with exactly the prompt the rollout loop gives a model."""
     tokenizer, cfg, examples, _stats = traces
     passages = read_corpus(wiki_sample).passages
-    pool, held = teacher.split_documents(passages, cfg)
+    pool, held = corpus.teacher_split(passages, cfg)
     prompts = make_challenger_prompts(pool[:cfg.documents], ["long_form_qa", "summarisation", "planning", "writing"],
                                       [4, 3, 2], seed=cfg.seed, tokenizer=tokenizer,
                                       document_max_tokens=cfg.document_max_tokens)
@@ -168,20 +169,20 @@ def test_teacher_contexts_are_the_rollout_contexts(traces, wiki_sample):
 
 def test_split_holds_out_a_seeded_share(wiki_sample):
     passages = read_corpus(wiki_sample).passages
-    pool, held = teacher.split_documents(passages, WarmStartConfig())
+    pool, held = corpus.teacher_split(passages, WarmStartConfig())
     assert len(held) == 200 and len(pool) == 800
-    assert teacher.held_out_documents(passages, WarmStartConfig()) == held
-    assert teacher.held_out_documents(passages, WarmStartConfig(seed=1)) != held
+    assert corpus.unread_by_teacher(passages, WarmStartConfig()) == held
+    assert corpus.unread_by_teacher(passages, WarmStartConfig(seed=1)) != held
 
 
 def test_calibration_probes_leave_out_the_teachers_documents(shared_data, tmp_path):
     """The grader probes read documents the teacher never quoted (its sentence grades would make them recall)."""
-    from scope_lib.selfplay.calibration import unseen_by_teacher
+    from scope_lib.selfplay.grader_probe import unseen_by_teacher
 
     params = load_params(REPO / "params" / "smoke.yaml", {"run.data_dir": str(shared_data),
                                                           "run.runs_dir": str(tmp_path)})
     passages = read_corpus(params.corpus_path).passages
-    seen = {p.id for p in teacher.teacher_documents(passages, params.model.warm_start)}
+    seen = {p.id for p in corpus.teacher_documents(passages, params.model.warm_start)}
     assert len(seen) == params.model.warm_start.documents
     unseen = unseen_by_teacher(params, passages)
     assert len(unseen) == len(passages) - len(seen) and not seen & {p.id for p in unseen}
@@ -195,12 +196,13 @@ def test_sentence_grades_quote_the_source_and_say_both(wiki_sample, tiny_tokeniz
     orders, removed, swapped), graded against a rubric in one of several wordings, never the probe's."""
     from types import SimpleNamespace
 
-    from scope_lib.selfplay.calibration import FACT_RUBRIC, mentions
+    from scope_lib.protocol.facts import mentions
+    from scope_lib.selfplay.grader_probe import FACT_RUBRIC
 
     documents = read_corpus(wiki_sample).passages[:60]
     prompts = {f"p{k}": SimpleNamespace(document_id=d.id) for k, d in enumerate(documents)}
     passed = [SimpleNamespace(meta={"prompt_id": k}, task=f"Task {k}") for k in prompts]
-    judge = teacher.JudgeTeacher(teacher.Names(tiny_tokenizer, max_tokens=6), reasoning=True)
+    judge = teacher.JudgeTeacher(facts.Names(tiny_tokenizer, max_tokens=6), reasoning=True)
     grades = teacher.sentence_grades(passed, prompts, documents, judge, teacher.REASONED_GRADING_MAX_TOKENS,
                                      random.Random(0), seed=0)
     by_task: dict[str, list] = {}
@@ -348,7 +350,7 @@ def test_warmed_smoke_model_speaks_the_protocol_on_held_out_documents(smoke_para
     model, tok = load_model_and_tokenizer(warm_smoke_model, dtype="float32", device="cpu")
     engine = HFEngine(model, tok)
     retriever = build_or_open_index(p, progress=False)
-    documents = teacher.held_out_documents(read_corpus(p.corpus_path).passages, p.model.warm_start)[:16]
+    documents = corpus.unread_by_teacher(read_corpus(p.corpus_path).passages, p.model.warm_start)[:16]
     rates, evals, graded, _ = protocol_check.measure_protocol(p, engine, make_judge(p, lambda _m: engine), retriever,
                                                              documents)
     print(rates.table())
@@ -393,7 +395,7 @@ def test_content_checks_count_grounded_rubrics_and_agreeing_grades():
                                    strict=True)]
     rates = protocol_check.ProtocolRates()
     protocol_check._check_content(rates, [e], graded, {"d0": "(Title: Paris)\nThe Seine crosses Paris since 1889."},
-                                  teacher.Names(_WordTokenizer()))
+                                  facts.Names(_WordTokenizer()))
     assert (rates.rubric_facts_in_source, rates.rubric_facts) == (2, 3)
     # s0: Seine 1 (agrees), 1889 1 (disagrees), None skipped; s1: Seine 0 (agrees), 1889 1 (disagrees), Rome 0
     assert (rates.grades_agreeing, rates.grades) == (3, 5)
@@ -414,7 +416,7 @@ def _grading_engine(tokenizer, verdict):
 
 
 def test_reasoned_grades_list_the_answers_facts_then_mark_the_rubrics(tiny_tokenizer):
-    judge = teacher.JudgeTeacher(teacher.Names(tiny_tokenizer, max_tokens=8), reasoning=True)
+    judge = teacher.JudgeTeacher(facts.Names(tiny_tokenizer, max_tokens=8), reasoning=True)
     answer = "Ada is linked to Berlin and 1990."
     verdict, reply = judge.grade(answer, "Mentions Berlin.")
     assert verdict == parsing.parse_score(reply) == 1
@@ -461,7 +463,7 @@ def test_grader_sensitivity_separates_reading_from_blind_graders(wiki_sample, ti
     engine = _grading_engine(tiny_tokenizer, verdict)
     judge = make_judge(params, lambda _m: engine)
     documents = read_corpus(wiki_sample).passages[:100]
-    probe = protocol_check.grader_sensitivity(judge, documents, teacher.Names(tiny_tokenizer))
+    probe = protocol_check.grader_sensitivity(judge, documents, facts.Names(tiny_tokenizer))
     assert probe.holds == probe.misses >= 20 and probe.unparsed == 0
     assert probe.separation == expected
     assert engine.calls == 1                                 # every triple in one Judge call
@@ -474,7 +476,7 @@ def test_eval_judge_traces_parse_with_the_real_parsers_and_say_both(wiki_sample,
     import re
 
     from scope_lib.evaluation.scorers import parse_criteria_met
-    from scope_lib.selfplay.calibration import mentions
+    from scope_lib.protocol.facts import mentions
     from scope_lib.smoke import eval_judge_teacher as T
 
     documents = read_corpus(wiki_sample).passages[:40]

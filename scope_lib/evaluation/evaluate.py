@@ -35,7 +35,7 @@ from typing import Any, Literal
 from tqdm.auto import tqdm
 
 from scope_lib.config import JUDGE_ADAPTER_MODEL, Params
-from scope_lib.evaluation import calibration as C
+from scope_lib.evaluation import judge_probes as C
 from scope_lib.evaluation import scorers as S
 from scope_lib.evaluation.benchmarks import (
     BENCHMARKS,
@@ -62,7 +62,7 @@ from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.retrieval.index import open_retriever
 from scope_lib.runs import RecordLog, Stage, atomic_write_json, load_weights, read_json, write_jsonl
-from scope_lib.selfplay.calibration import Calibration
+from scope_lib.selfplay.grader_probe import Calibration
 from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, new_trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
@@ -576,7 +576,7 @@ PROBE_PASSAGES = 2000
 
 def calibrate_benchmark_judges(params: Params, judge: BenchmarkJudge, items: dict[str, list[Item]]
                                ) -> dict[tuple[str, str], tuple[str, Calibration]]:
-    """Probe every judge the benchmarks in `items` need (`evaluation.calibration`; `scope_lib.evaluation.calibration`)
+    """Probe every judge the benchmarks in `items` need (`evaluation.calibration`; `scope_lib.evaluation.judge_probes`)
     and record the results in runs/<name>/eval/calibration.json (merged with earlier judges). Returns
     (benchmark, scorer) -> (judge id, calibration); empty when calibration is off."""
     cfg = params.evaluation.calibration

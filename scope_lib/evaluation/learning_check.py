@@ -1,19 +1,14 @@
 """The learning check: is a trained Solver better than M0 on tasks training never saw, by more than a control?
 
     check = run_check(params, after="iter_03/solver", control="runs/ctl/iter_03/solver")   # or: scope learning-check
-    check.verdict.learned, check.trained.gain, check.trained.ci95, check.verdict.ratio
+    check.verdict.outcome, check.trained.gain, check.trained.ci95, check.verdict.ratio
 
 Not in the paper (issue 32; docs/training.md, "The learning check"). A rising training curve proves nothing on its
 own: rewards that carry no information move metrics too ("Spurious Rewards", arXiv 2506.10947). So:
 
-1. **The held-out task set** (`held_out_set`). The last `learning_check.held_out_documents` documents of the run's
-   document permutation, which training never samples (`loop.training_documents`). M0's Challenger (adapters off:
-   the iteration-0 Challenger) writes one task per document, batch by batch; the frozen Judge gates it and writes
-   its rubrics; K rollouts of M0's Solver at the training sampling, graded by the Judge, give M0's mean rubric
-   score ḡ; tasks with ḡ in the difficulty window widened by `window_margin` are kept, one per document, until
-   `learning_check.tasks`. Built once per (M0, corpus bytes, every parameter that shapes a task or its score) under
-   $SCOPE_CACHE_DIR/heldout/ (or ~/.cache/scope/heldout/), resumed batch by batch like the task pool, reused by
-   every run and checkpoint of that configuration.
+1. **The held-out task set** (`evaluation.held_out`): M0's tasks on the last `learning_check.held_out_documents`
+   documents of the run's permutation, which training never samples, screened by M0's Solver and the frozen Judge,
+   with the frozen Judge's grader probe beside it.
 2. **Evaluating a checkpoint** (`evaluate_checkpoint`): K Solver rollouts per held-out task at the training sampling
    (one engine call per turn for every rollout of a batch), graded by the frozen Judge at the training grading
    temperature. Per task: the mean rubric score (the task success ḡ, eq. 1 averaged over the K rollouts) and the
@@ -25,376 +20,47 @@ own: rewards that carry no information move metrics too ("Spurious Rewards", arX
    (`grpo.reward_control: shuffled`: the same steps on permuted rewards); gain / control gain is reported (the
    issue's target: at least 2), and so is the trained checkpoint against the control's, paired over the tasks
    (`LearningCheck.over_control`: whether the two runs can be told apart at all).
-4. **The Judge that scores it** (`grader_probe`): a check is only as good as its grader. Once per held-out set the
-   frozen Judge's per-rubric grader answers the calibration probe (`selfplay.calibration.probe_grader`: a rubric's
-   fact stated, removed or swapped in sentences of the corpus), stored beside the set. A gain scored by a grader
-   that fails it (separation or invalid rate past `judge.calibration`'s thresholds) is not called learned unless
-   `learning_check.accept_untrusted_judge` says so; the verdict names the probe's numbers either way.
+4. **The Judge that scores it**: a check is only as good as its grader. A gain scored by a grader that failed the
+   held-out set's probe (separation or invalid rate past `judge.calibration`'s thresholds) is "not shown" unless
+   `learning_check.accept_untrusted_judge` says so; the verdict names the probe's numbers either way. The verdict
+   is one of VERDICTS, the words docs/training.md uses.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import re
-import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from scope_lib.config import Params, ParamsError, cache_dir, load_params
+from scope_lib.config import Params, ParamsError, load_params
 from scope_lib.evaluation.evaluate import Checkpoint, Policy, base_engine, open_policies, resolve_checkpoint
+from scope_lib.evaluation.held_out import (
+    CheckComponents,
+    HeldOutSet,
+    check_reserved,
+    held_out_set,
+    open_components,
+    seed_of,
+    success_rate,
+)
 from scope_lib.models.engine import Engine
-from scope_lib.models.loading import make_engine, model_source
-from scope_lib.protocol import prompts
-from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
-from scope_lib.retrieval.corpus import held_out_range, read_corpus
-from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
+from scope_lib.models.loading import make_engine
 from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_json
-from scope_lib.selfplay.calibration import Calibration, probe_grader, unseen_by_teacher
-from scope_lib.selfplay.judge import Judge, judge_models, make_judge
-from scope_lib.selfplay.loop import finished_chunks, training_documents
-from scope_lib.selfplay.rollout import (
-    challenger_trajectories,
-    make_challenger_prompts,
-    new_trajectory,
-    run_rollouts,
-    solver_messages,
-)
-from scope_lib.selfplay.tasks import (
-    TaskEvaluation,
-    challenger_limits,
-    evaluate_tasks,
-    filter_tasks,
-    grade_rollouts,
-    solver_limits,
-)
+from scope_lib.selfplay.grader_probe import Calibration
+from scope_lib.selfplay.rollout import new_trajectory, run_rollouts, solver_messages
+from scope_lib.selfplay.tasks import grade_rollouts, solver_limits
 
 log = logging.getLogger(__name__)
 
-#: Bump when what a held-out task is changes in code (not in params or prompts): every cached set is rebuilt.
-HELD_OUT_VERSION = 1
 #: The issue's bar for a trained run's gain over the shuffled-reward control's.
 TARGET_RATIO = 2.0
 METRICS = ("score", "success")
 #: The check's three verdicts (docs/training.md): every reason starts with one, and reports show it as it is.
 VERDICTS = ("learned", "not learned", "not shown")
-
-
-def _seed(*parts: Any) -> int:
-    """A stable 31-bit seed from named parts (the same in every process and Python version)."""
-    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
-
-
-# -- the held-out task set ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class HeldOutSet:
-    """The frozen held-out tasks (gated, with rubrics, M0's pre-screen in `solver_scores` / `mean_score`) and the
-    folder they live in."""
-
-    path: Path
-    key: str
-    tasks: list[TaskEvaluation]
-    summary: dict[str, Any]
-    grader: Calibration | None = None  # the frozen Judge's grader probe (`grader_probe`), None until it ran
-
-    @property
-    def window(self) -> tuple[float, float]:
-        lo, hi = self.summary["window"]
-        return lo, hi
-
-
-def screen_window(params: Params) -> tuple[float, float]:
-    """The pre-screen's window: selfplay.difficulty_window widened by `learning_check.window_margin` on each side,
-    clipped to [0, 1]."""
-    lo, hi = params.selfplay.difficulty_window
-    margin = params.learning_check.window_margin
-    return max(0.0, round(lo - margin, 6)), min(1.0, round(hi + margin, 6))
-
-
-def prompts_fingerprint() -> str:
-    """A hash of the text protocol a held-out task is written, gated, graded and answered in: the prompt templates,
-    task types and dialects."""
-    digest = hashlib.sha256()
-    for name in prompts.TEMPLATE_NAMES:
-        digest.update(name.encode() + b"\0" + prompts.load_template(name).template.encode() + b"\0")
-    for spec in prompts.TASK_TYPES.values():
-        digest.update(f"{spec.key}|{spec.name}|{spec.description}".encode())
-    for d in DIALECTS.values():
-        digest.update(f"{d.name}|{d.search_example}|{d.results_description}|{d.results_role}".encode())
-    return digest.hexdigest()
-
-
-def model_identity(params: Params) -> str:
-    """M0 as the cache key sees it: its name, and for a local folder (the tiny, warm-started and `pypi:` models
-    live in folders named by their own cache keys) the folder's name, its config.json and its weight files' sizes.
-    Call `smoke.warm_start.prepare(params)` first for a warm-started M0 (the `scope` commands and notebooks do)."""
-    source = Path(model_source(params))
-    if not source.is_dir():
-        return params.model.base
-    digest = hashlib.sha256()
-    if (source / "config.json").is_file():
-        digest.update((source / "config.json").read_bytes())
-    for weights in sorted(source.glob("*.safetensors")) + sorted(source.glob("*.bin")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-    return f"{params.model.base}|{source.name}|{digest.hexdigest()[:16]}"
-
-
-_RETRIEVAL_OPERATIONAL = {"corpus_url", "corpus_sha256", "fetch_max_passages", "index_dir", "memory_budget_gb",
-                          "chroma_mode", "chroma_host", "chroma_port", "server_url", "timeout_s", "embed_batch_size",
-                          "add_batch_size", "embedding_cache", "shard_passages", "embedder_device", "faiss_gpu"}
-
-
-def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> dict[str, Any]:
-    """Everything a held-out task and M0's pre-screen depend on: M0, the corpus bytes and slice, the document
-    permutation, the reserved documents, K, the batch size, the window, the Challenger's and Solver's prompts,
-    sampling and budgets, the Judge, retrieval and the generation back end (vLLM and transformers sample
-    differently). Not `learning_check.tasks`: asking for more tasks extends the same set."""
-    p, lc = params, params.learning_check
-    return {
-        "version": HELD_OUT_VERSION, "model": model_id, "dialect": p.model.dialect, "dtype": p.model.dtype,
-        "max_model_len": p.model.max_model_len, "engine": p.engine.backend,
-        "corpus": {"sha256": corpus_sha256, "max_passages": p.retrieval.max_passages,
-                   "on_error": p.retrieval.on_error},
-        "permutation_seed": p.selfplay.seed, "window": list(screen_window(p)),
-        "learning_check": lc.model_dump(mode="json", include={"held_out_documents", "samples", "batch_size"}),
-        "selfplay": p.selfplay.model_dump(mode="json", include={"task_types", "search_turn_strata",
-                                                                "document_max_tokens", "rollout_prompt_tokens"}),
-        "challenger": p.challenger.model_dump(mode="json", include={"max_prompt_tokens", "max_turns",
-                                                                    "max_new_tokens_per_turn", "max_response_tokens",
-                                                                    "temperature", "top_p"}),
-        "solver": p.solver.model_dump(mode="json", include={"max_prompt_tokens", "max_searches", "max_turns",
-                                                            "prompt", "max_new_tokens_per_turn",
-                                                            "max_response_tokens", "temperature", "top_p"}),
-        "judge": p.judge.model_dump(mode="json"),
-        "retrieval": p.retrieval.model_dump(mode="json", exclude=_RETRIEVAL_OPERATIONAL),
-        "prompts": prompts_fingerprint(),
-    }
-
-
-def held_out_folder(params: Params, model_id: str, corpus_sha256: str, root: str | Path | None = None
-                    ) -> tuple[Path, str, dict[str, Any]]:
-    """(folder, key, fingerprint) of the held-out set these params ask for: <root>/<model>-<key>, root defaulting to
-    the cache folder `heldout` ($SCOPE_CACHE_DIR/heldout, else ~/.cache/scope/heldout)."""
-    fingerprint = held_out_fingerprint(params, model_id, corpus_sha256)
-    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", params.model.base)[-40:].strip("-.") or "model"  # no leading '-
-    base = Path(root) if root is not None else cache_dir("heldout")
-    return base / f"{slug}-{key}", key, fingerprint
-
-
-@dataclass
-class CheckComponents:
-    """What the check runs on: M0's engine (adapters off: the pre-screen's Challenger and Solver; adapters on it
-    serve checkpoints), the frozen Judge, the retriever, the dialect, and the corpus (read when a build needs it)."""
-
-    engine: Engine
-    judge: Judge
-    retriever: Any
-    dialect: Dialect
-    passages: list | None = None
-
-
-def open_components(params: Params, *, engine: Engine | None = None, judge: Judge | None = None, retriever=None,
-                    passages: list | None = None, dialect: Dialect | None = None) -> CheckComponents:
-    """The check's components from the params, each one given being used as it is. The Judge is M0 on `engine`
-    (another model only where `judge.model` names one), as in training."""
-    engine = engine or make_engine(params, "policy")
-    if judge is None:
-        others: dict[str, Engine] = {}
-
-        def engine_for(name: str) -> Engine:
-            if name == params.model.base:
-                return engine
-            if name not in others:
-                others[name] = make_engine(params, "judge", name=name)
-            return others[name]
-
-        judge = make_judge(params, engine_for)
-    return CheckComponents(engine, judge, retriever or open_retriever(params, progress=False),
-                           dialect or get_dialect(params.model.dialect, params.model.base), passages)
-
-
-def _corpus_sha256(params: Params, root: Path) -> str:
-    corpus = Path(params.corpus_path)
-    if not corpus.is_file():
-        raise ParamsError(f"corpus {corpus} not found: run `scope data fetch --params PARAMS`, or point "
-                          "retrieval.corpus (or $SCOPE_DATA_DIR) at the corpus the run trained on")
-    slot = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
-    return cached_corpus_sha256(corpus, root / ".corpus" / slot)
-
-
-def _check_reserved(params: Params) -> None:
-    if params.learning_check.held_out_documents == 0:
-        raise ParamsError("learning_check.held_out_documents is 0: no documents are held out from training, so "
-                          "there are none to check on. Set it (e.g. -o learning_check.held_out_documents=200) and "
-                          "train the runs you compare with the same value")
-
-
-def held_out_set(params: Params, components: CheckComponents | Any = None, *, model_id: str | None = None,
-                 root: str | Path | None = None, progress: bool = True) -> HeldOutSet:
-    """The held-out task set of these params, built on first use (module docstring, 1) and read back after.
-    `components` (or a function returning them, called only when something must be built) default to
-    `open_components(params)`; `model_id` to `model_identity(params)`; `root` to the `heldout` cache folder. A
-    build killed mid-way resumes batch by batch; a set built for fewer tasks is extended with more batches; two
-    processes building the same set wait for each other."""
-    from filelock import FileLock
-
-    _check_reserved(params)
-    base = Path(root) if root is not None else cache_dir("heldout")
-    folder, key, fingerprint = held_out_folder(params, model_id or model_identity(params),
-                                               _corpus_sha256(params, base), base)
-    stage = Stage(folder)
-
-    def short() -> bool:  # built, but for fewer tasks than asked while reserved documents remain
-        summary = stage.summary
-        return summary.get("stopped") == "target" and summary["tasks"] < params.learning_check.tasks
-
-    if not stage.done or short():
-        with FileLock(str(folder / ".lock")):
-            if stage.done and short():
-                (folder / "DONE").unlink()
-            if not stage.done:
-                atomic_write_json(folder / "fingerprint.json", fingerprint)
-                if components is None:
-                    components = open_components(params)
-                elif callable(components):
-                    components = components()
-                stage.mark_done(_build(params, stage, components, key, progress))
-    if not (folder / GRADER_PROBE).is_file():
-        with FileLock(str(folder / ".lock")):
-            if not (folder / GRADER_PROBE).is_file():
-                if components is None:
-                    components = open_components(params)
-                elif callable(components):
-                    components = components()
-                atomic_write_json(folder / GRADER_PROBE, grader_probe(params, components).to_record())
-    return load_held_out(folder, params)
-
-
-#: The frozen Judge's grader probe, stored beside the held-out set it scores.
-GRADER_PROBE = "grader_calibration.json"
-
-
-def corpus_passages(params: Params, c: CheckComponents) -> list:
-    """The corpus the check reads: the components' passages, else the run's corpus file."""
-    if c.passages is not None:
-        return c.passages
-    r = params.retrieval
-    return read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
-
-
-def grader_probe(params: Params, c: CheckComponents) -> Calibration:
-    """The calibration probe of the frozen Judge's per-rubric grader (module docstring, 4): one batched grading call
-    on fact pairs from the corpus, seeded by the document permutation's seed."""
-    passages = unseen_by_teacher(params, corpus_passages(params, c))
-    return probe_grader(c.judge, passages, params.judge.calibration, model=judge_models(params)["grading"],
-                        seed=params.selfplay.seed)
-
-
-def load_held_out(folder: str | Path, params: Params) -> HeldOutSet:
-    """A finished held-out set read back from its folder: the first `learning_check.tasks` of its tasks (in batch
-    order; `summary["built"]` says how many there are)."""
-    stage = Stage(folder)
-    summary = stage.summary
-    if not summary:
-        raise RunError(f"{folder} holds no finished held-out set (no DONE): build it with `scope learning-check "
-                       "build PARAMS`")
-    tasks = [TaskEvaluation.from_record(rec) for rec in stage.records("tasks")][:params.learning_check.tasks]
-    probe = Path(folder) / GRADER_PROBE
-    grader = Calibration.from_record(read_json(probe, "delete it; the next check probes the grader again")) \
-        if probe.is_file() else None
-    return HeldOutSet(Path(folder), summary["key"], tasks, {**summary, "built": summary["tasks"], "tasks": len(tasks)},
-                      grader)
-
-
-def success_rate(scores: list[float], threshold: float) -> float:
-    """The share of rollouts whose rubric score g (eq. 1) reaches `threshold` (0 for no rollout)."""
-    return sum(g >= threshold for g in scores) / len(scores) if scores else 0.0
-
-
-def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress: bool) -> dict[str, Any]:
-    """Write the held-out set's records into `stage` (resuming what a killed build left) and return its summary."""
-    from collections import Counter
-
-    from tqdm.auto import tqdm
-
-    lc, sp = params.learning_check, params.selfplay
-    passages = corpus_passages(params, c)
-    training_documents(params, len(passages))  # refuses a reservation as large as the corpus
-    candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
-    finished = finished_chunks(candidates, chunks, tasks)
-    candidates.retain(lambda rec: rec["chunk"] in finished)  # a batch a kill left half-written is redone
-    tasks.retain(lambda rec: rec["chunk"] in finished)
-    kept_per_batch = Counter(rec["chunk"] for rec in tasks)
-    reserved = held_out_range(passages, lc.held_out_documents, sp.seed)
-    n_batches = math.ceil(len(reserved) / lc.batch_size)
-    window = screen_window(params)
-    tokenizer = c.engine.tokenizer
-    bar = tqdm(total=lc.tasks, initial=min(lc.tasks, sum(kept_per_batch.values())), desc="held-out tasks",
-               unit="task", leave=False, disable=not progress)
-    stopped = "documents ran out"
-    for k in range(n_batches):
-        before = sum(n for b, n in kept_per_batch.items() if b < k)
-        if before >= lc.tasks:
-            stopped = "target"
-            break
-        if k in finished:
-            continue
-        documents = reserved[k * lc.batch_size:(k + 1) * lc.batch_size]
-        batch = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, _seed("held-out", sp.seed, k),
-                                        tokenizer=tokenizer, document_max_tokens=sp.document_max_tokens,
-                                        id_prefix=f"h{k:04d}-")
-        trajectories = challenger_trajectories(batch, c.dialect, tokenizer)
-        limits = replace(challenger_limits(params), seed=_seed("held-out/challenger", sp.seed, k))
-        unparseable = c.judge.stats.totals()["unparseable"]
-        written = run_rollouts(trajectories, c.engine, c.retriever, c.dialect, limits, adapter=None)  # M0 writes
-        evals, _graded, screened = evaluate_tasks(
-            trajectories, {q.id: q for q in batch}, params=params, judge=c.judge, solver_engine=c.engine,
-            retriever=c.retriever, dialect=c.dialect, n_solver=lc.samples, solver_adapter=None,
-            grading_temperature=params.judge.grading_temperature, seed=_seed("held-out/screen", sp.seed, k))
-        kept = filter_tasks(evals, window, 1)  # every one: a set asked for more tasks later grows by whole batches
-        kept_ids = {e.challenger_id for e in kept}
-        by_id = {t.id: t for t in trajectories}
-        candidates.append({"id": e.challenger_id, "chunk": k, "kept": e.challenger_id in kept_ids,
-                           "evaluation": e.to_record(), "trajectory": by_id[e.challenger_id].to_record()}
-                          for e in evals)
-        tasks.append({**e.to_record(), "id": e.challenger_id, "chunk": k,
-                      "m0_success_rate": success_rate(e.solver_scores, lc.success_threshold)} for e in kept)
-        chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals), "kept": len(kept),
-                        "with_task": sum(e.task is not None for e in evals),
-                        "passed_gates": sum(e.gates_passed for e in evals),
-                        "engine_calls": written.engine_calls + screened.engine_calls,
-                        "judge_unparseable": c.judge.stats.totals()["unparseable"] - unparseable}])
-        finished.add(k)
-        kept_per_batch[k] = len(kept)
-        bar.update(min(len(kept), max(0, lc.tasks - bar.n)))
-    else:
-        if sum(kept_per_batch.values()) >= lc.tasks:
-            stopped = "target"
-    bar.close()
-    kept_records = list(tasks)
-    markers = list(chunks)
-    scores = [rec["mean_score"] for rec in kept_records]
-    lo, hi = sp.difficulty_window
-    summary = {"key": key, "tasks": len(kept_records), "asked": lc.tasks, "candidates": len(candidates),
-               "batches": len(markers), "documents": sum(m["candidates"] for m in markers),
-               "held_out_documents": lc.held_out_documents, "window": list(window),
-               "difficulty_window": [lo, hi], "in_difficulty_window": sum(lo <= g <= hi for g in scores),
-               "m0_mean_score": sum(scores) / len(scores) if scores else None, "samples": lc.samples,
-               "judge_unparseable": sum(m.get("judge_unparseable", 0) for m in markers), "stopped": stopped}
-    log.info("held-out set %s: %d task(s) of %d candidate(s) on %d reserved document(s), M0's mean rubric score in "
-             "[%.2f, %.2f] (%d inside the difficulty window) -> %s", key, summary["tasks"], summary["candidates"],
-             summary["documents"], window[0], window[1], summary["in_difficulty_window"], stage.path)
-    if len(kept_records) < 2:
-        log.warning("the held-out set has %d task(s): too few to compare checkpoints. M0's tasks fell outside "
-                    "[%.2f, %.2f]; raise learning_check.held_out_documents or window_margin", len(kept_records),
-                    *window)
-    return summary
 
 
 # -- evaluating a checkpoint -------------------------------------------------------------------------------------
@@ -514,7 +180,7 @@ def evaluate_checkpoint(params: Params, held_out: HeldOutSet, policy: Policy, co
                                        solver_messages(t.task, components.dialect, s.max_searches, s.prompt),
                                        tokenizer, max_searches=s.max_searches, meta={"challenger_id": t.challenger_id})
                         for t in batch for j in range(lc.samples)]
-        limits = replace(solver_limits(params), seed=_seed("evaluate", seed, b))  # the same for every checkpoint
+        limits = replace(solver_limits(params), seed=seed_of("evaluate", seed, b))  # the same for every checkpoint
         stats = run_rollouts(trajectories, policy.engine, components.retriever, components.dialect, limits,
                              adapter=policy.adapter)
         engine_calls += stats.engine_calls
@@ -755,7 +421,7 @@ def checkpoint_training(params: Params, ck: Checkpoint) -> Params | None:
 def check_training(params: Params, ck: Checkpoint, role: str) -> None:
     """Refuse a checkpoint whose run could have trained on the held-out documents, a control run given as the
     trained one, or a trained run given as the control (each run records `grpo.reward_control`)."""
-    _check_reserved(params)
+    check_reserved(params)
     trained = checkpoint_training(params, ck)
     if trained is None:
         if ck.kind != "base":

@@ -118,7 +118,7 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 
 
 def calibration_frame(calibrations: dict[str, dict[str, Any]]):
-    """One row per judge (`evaluate.load_calibration`, or the records of `scope_lib.evaluation.calibration`): its
+    """One row per judge (`evaluate.load_calibration`, or the records of `scope_lib.evaluation.judge_probes`): its
     probe's size, sensitivity, specificity, separation, invalid rate, position bias (pairwise), whether it is
     trusted and why not."""
     import pandas as pd

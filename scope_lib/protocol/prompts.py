@@ -38,9 +38,11 @@ from importlib import resources
 from string import Template
 from typing import Any
 
+from scope_lib.protocol.dialects import DIALECTS
+
 __all__ = [
     "TaskTypeSpec", "TASK_TYPES", "GATES", "TEMPLATE_NAMES", "load_template", "template_placeholders",
-    "template_version",
+    "template_version", "protocol_fingerprint",
     "challenger_prompt", "challenger_after_search", "challenger_malformed", "challenger_finish",
     "solver_prompt", "solver_malformed", "rubric_prompt", "grader_prompt", "gate_prompt", "format_documents",
     "judge_retry", "SOLVER_PROMPTS", "RUBRIC_PROMPTS",
@@ -117,6 +119,20 @@ def load_template(name: str) -> Template:
 def template_version(name: str) -> str:
     """`name@<hash of the template text>`: names the prompt a judge verdict came from (calibration records)."""
     return f"{name}@{hashlib.sha256(load_template(name).template.encode()).hexdigest()[:10]}"
+
+
+def protocol_fingerprint(digest: Any = None) -> str:
+    """A hash of the text protocol every role writes and reads: the prompt templates, the task types and the
+    dialects' search syntax (what the learning check's held-out set and the warm start's teacher depend on besides
+    their own code). `digest` (a hashlib object, default a new sha256) is updated in place and its hex returned."""
+    digest = digest if digest is not None else hashlib.sha256()
+    for name in TEMPLATE_NAMES:
+        digest.update(name.encode() + b"\0" + load_template(name).template.encode() + b"\0")
+    for spec in TASK_TYPES.values():
+        digest.update(f"{spec.key}|{spec.name}|{spec.description}".encode())
+    for d in DIALECTS.values():
+        digest.update(f"{d.name}|{d.search_example}|{d.results_description}|{d.results_role}".encode())
+    return digest.hexdigest()
 
 
 def template_placeholders(name: str) -> list[str]:

@@ -35,8 +35,10 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+from scope_lib.config import ParamsError
+
 if TYPE_CHECKING:
-    from scope_lib.config import Params
+    from scope_lib.config import Params, WarmStartConfig
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +355,7 @@ def document_range(passages: Sequence[Passage], start: int, n: int, seed: int, *
     Self-play hands out consecutive ranges (Stage 1 prompts, then Stage 2 candidate batches, iteration after
     iteration), so no document is used twice until the corpus runs out; then the ranges wrap (logged). `limit`
     (default: the whole corpus) is where they wrap: positions from `limit` on are never handed out, which is how
-    the learning check's held-out tail stays out of training (`held_out_range`)."""
+    the learning check's held-out tail stays out of training (`held_out_documents`)."""
     if start < 0 or n < 0:
         raise ValueError(f"start and n must be >= 0, got start={start}, n={n}")
     if not passages:
@@ -368,29 +370,46 @@ def document_range(passages: Sequence[Passage], start: int, n: int, seed: int, *
     return [passages[int(order[(start + j) % size])] for j in range(n)]
 
 
-def held_out_range(passages: Sequence[Passage], n: int, seed: int) -> list[Passage]:
-    """The last n documents of the run's seeded permutation (positions len - n .. len - 1): the learning check's
-    held-out documents. Training hands out `document_range(..., limit=len - n)`, which never reaches them."""
+def held_out_documents(passages: Sequence[Passage], n: int, seed: int) -> list[Passage]:
+    """The learning check's held-out documents (`learning_check.held_out_documents`): the last n of the run's
+    seeded permutation (positions len - n .. len - 1). Training hands out `document_range(..., limit=
+    training_documents(...))`, which never reaches them."""
     if not 0 <= n < len(passages):
         raise ValueError(f"cannot hold out {n} of {len(passages)} documents: leave some for training")
     order = _permutation(len(passages), seed)
     return [passages[int(i)] for i in order[len(order) - n:]]
 
 
-def teacher_split(passages: Sequence[Passage], held_out_share: float, seed: int
-                  ) -> tuple[list[Passage], list[Passage]]:
-    """(teacher pool, held-out documents) of the warm start (`model.warm_start`, `scope_lib.smoke.teacher`): a
-    permutation of the corpus seeded by `seed`, its last `held_out_share` held out. Here, below the teacher, so the
-    judges' calibration probes can leave out what the teacher wrote traces from (`teacher_documents`)."""
-    order = permutation_slice(len(passages), len(passages), seed, 0)
-    cut = len(passages) - int(round(len(passages) * held_out_share))
+def training_documents(params: Params, n_passages: int) -> int:
+    """How many positions of the run's document permutation training may hand out: positions 0..n-1 are
+    training's; the last `learning_check.held_out_documents` are the learning check's and never handed out
+    (`held_out_documents`)."""
+    reserved = params.learning_check.held_out_documents
+    if reserved >= n_passages:
+        raise ParamsError(f"learning_check.held_out_documents ({reserved}) must be below the corpus's {n_passages} "
+                          "passages: lower it, or use a larger corpus")
+    return n_passages - reserved
+
+
+def teacher_split(passages: Sequence[Passage], ws: WarmStartConfig) -> tuple[list[Passage], list[Passage]]:
+    """(teacher pool, the teacher's unread share) of the warm start (`model.warm_start`, `scope_lib.smoke.teacher`):
+    a permutation of the corpus seeded by `ws.seed`, its last `ws.held_out_share` never read by the teacher. Here,
+    below the teacher, so the judges' calibration probes can leave out what the teacher wrote traces from
+    (`teacher_documents`). Not the learning check's held-out documents (`held_out_documents`)."""
+    order = permutation_slice(len(passages), len(passages), ws.seed, 0)
+    cut = len(passages) - int(round(len(passages) * ws.held_out_share))
     return [passages[i] for i in order[:cut]], [passages[i] for i in order[cut:]]
 
 
-def teacher_documents(passages: Sequence[Passage], documents: int, held_out_share: float, seed: int
-                      ) -> list[Passage]:
-    """The documents a warm start's teacher writes every trace from: the first `documents` of its pool."""
-    return teacher_split(passages, held_out_share, seed)[0][:documents]
+def teacher_documents(passages: Sequence[Passage], ws: WarmStartConfig) -> list[Passage]:
+    """The documents a warm start's teacher writes every trace from: the first `ws.documents` of its pool."""
+    return teacher_split(passages, ws)[0][:ws.documents]
+
+
+def unread_by_teacher(passages: Sequence[Passage], ws: WarmStartConfig) -> list[Passage]:
+    """The warm start's unread share (`ws.held_out_share`): documents its teacher never writes a trace from, for
+    measuring the warmed model on unseen documents."""
+    return teacher_split(passages, ws)[1]
 
 
 def sample_documents(passages: Sequence[Passage], n: int, seed: int, iteration: int, *,

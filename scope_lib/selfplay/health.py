@@ -15,7 +15,7 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 | empty_pool            | no candidate task survived the gates and the difficulty window               |
 | untrusted_judge       | the Judge's per-rubric grader failed its calibration probe when the run      |
 |                       | opened: separation below judge.calibration.min_separation, or more invalid   |
-|                       | replies than judge.calibration.max_invalid_rate (selfplay.calibration)       |
+|                       | replies than judge.calibration.max_invalid_rate (selfplay.grader_probe)       |
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def check_calibration(calibration: dict[str, Any]) -> list[dict[str, Any]]:
-    """Alarms for a Judge calibration (`selfplay.calibration.Calibration.summary()`): the judge is untrusted."""
+    """Alarms for a Judge calibration (`selfplay.grader_probe.Calibration.summary()`): the judge is untrusted."""
     if calibration.get("trusted", True):
         return []
     separation = calibration.get("separation")

@@ -31,20 +31,22 @@ from scope_lib.models.loading import make_engine
 from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.check import check_index
-from scope_lib.retrieval.corpus import CorpusError, document_range, empty_corpus_message, read_corpus
+from scope_lib.retrieval.corpus import (
+    CorpusError,
+    document_range,
+    empty_corpus_message,
+    read_corpus,
+    training_documents,
+)
 from scope_lib.retrieval.index import open_retriever
-from scope_lib.runs import Stage, iteration_dir, write_manifest
+from scope_lib.runs import Stage, finished_chunks, iteration_dir, write_manifest
 from scope_lib.selfplay import health, ranks
-from scope_lib.selfplay.calibration import Calibration, probe_grader, unseen_by_teacher
 from scope_lib.selfplay.checkpoints import latest_checkpoint
+from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
-from scope_lib.selfplay.rollout import (
-    challenger_trajectories,
-    make_challenger_prompts,
-    run_rollouts,
-)
-from scope_lib.selfplay.tasks import TaskEvaluation, challenger_limits, evaluate_tasks, filter_tasks
+from scope_lib.selfplay.rollout import make_challenger_prompts
+from scope_lib.selfplay.tasks import TaskEvaluation, candidate_batch, filter_tasks
 from scope_lib.selfplay.training import StageContext, train_role
 
 log = logging.getLogger(__name__)
@@ -88,18 +90,8 @@ class SelfPlayRun:
 
     @property
     def training_documents(self) -> int:
-        """How many positions of the document permutation training may sample (`training_documents`)."""
+        """How many positions of the document permutation training may sample (`corpus.training_documents`)."""
         return training_documents(self.params, len(self.passages))
-
-
-def training_documents(params: Params, n_passages: int) -> int:
-    """Positions 0..n-1 of the run's document permutation are training's; the last
-    `learning_check.held_out_documents` are the learning check's and never handed out (held_out_range)."""
-    reserved = params.learning_check.held_out_documents
-    if reserved >= n_passages:
-        raise ParamsError(f"learning_check.held_out_documents ({reserved}) must be below the corpus's {n_passages} "
-                          "passages: lower it, or use a larger corpus")
-    return n_passages - reserved
 
 
 def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | None = None,
@@ -145,8 +137,7 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
     calibration = None
     if ranks.is_main() and params.judge.calibration.enabled:  # the grader is probed before its grades count
-        calibration = probe_grader(judge, unseen_by_teacher(params, passages), params.judge.calibration, model=judge_models(params)["grading"],
-                                   seed=params.selfplay.seed)
+        calibration = probe_self_judge(params, judge, passages)
     if ranks.is_main():
         _write_manifest(params, judge, passages, fingerprint, calibration)
     ranks.barrier()
@@ -372,20 +363,15 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
         k, resume_k = (hole, k) if hole is not None else (k, None)
         started, judge_before = time.perf_counter(), r.judge.stats.totals()
         documents = document_range(r.passages, first + k * size, size, sp.seed, limit=r.training_documents)
-        prompts = make_challenger_prompts(documents, sp.task_types, sp.search_turn_strata, seed * 1000 + k,
-                                          tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
-                                          id_prefix=f"i{t:02d}-p{k:04d}-")
-        mine = ranks.share(prompts)  # this rank's share of the batch (all of it with one process)
         offset = 100_000 * ranks.rank()  # each rank samples its own share; rank 0 keeps the 1-process seeds
-        trajectories = challenger_trajectories(mine, r.dialect, r.policy.tokenizer)
-        limits = challenger_limits(p)
-        limits.seed = seed * 1000 + k + offset
-        written = run_rollouts(trajectories, r.engine, r.retriever, r.dialect, limits, adapter="challenger")
-        evals, _graded, solved = evaluate_tasks(
-            trajectories, {q.id: q for q in mine}, params=p, judge=r.judge, solver_engine=r.engine,
-            retriever=r.retriever, dialect=r.dialect, n_solver=sp.solver_rollouts_filter, solver_adapter="solver",
-            filtering=True, grading_temperature=p.judge.difficulty_grading_temperature,
-            seed=seed * 1000 + 500 + k + offset)
+        batch = candidate_batch(
+            documents, params=p, engine=r.engine, retriever=r.retriever, dialect=r.dialect, judge=r.judge,
+            tokenizer=r.policy.tokenizer, prompt_seed=seed * 1000 + k, id_prefix=f"i{t:02d}-p{k:04d}-",
+            challenger_seed=seed * 1000 + k + offset, screen_seed=seed * 1000 + 500 + k + offset,
+            n_solver=sp.solver_rollouts_filter, challenger_adapter="challenger", solver_adapter="solver",
+            grading_temperature=p.judge.difficulty_grading_temperature, filtering=True,
+            share=ranks.share)  # this rank's share of the batch (all of it with one process)
+        trajectories, evals, written, solved = batch.trajectories, batch.evaluations, batch.written, batch.screened
         judge_after = r.judge.stats.totals()
         costs = {"engine_calls": written.engine_calls + solved.engine_calls,
                  "judge_calls": judge_after["calls"] - judge_before["calls"],
@@ -433,29 +419,6 @@ def build_pool(r: SelfPlayRun, t: int) -> dict:
             health.report(alarm, r.run_dir)
     _mark_done(stage, summary)
     return summary
-
-
-def finished_chunks(candidates, chunks, tasks) -> set[int]:
-    """The candidate batches of the task pool that are complete on disk: a marker in chunks.jsonl whose
-    candidate and task counts match the records really there. A batch whose records were lost (a damaged line
-    moved aside) loses its marker and is redone."""
-    have_candidates: dict[int, int] = {}
-    have_tasks: dict[int, int] = {}
-    for rec in candidates:
-        have_candidates[rec["chunk"]] = have_candidates.get(rec["chunk"], 0) + 1
-    for rec in tasks:
-        have_tasks[rec["chunk"]] = have_tasks.get(rec["chunk"], 0) + 1
-    finished = set()
-    for marker in chunks:
-        k = marker["chunk"]
-        if have_candidates.get(k, 0) == marker["candidates"] and have_tasks.get(k, 0) == marker["kept"]:
-            finished.add(k)
-        else:
-            log.warning("%s: batch %d has %d of %d candidates and %d of %d tasks on disk: it is redone",
-                        chunks.path, k, have_candidates.get(k, 0), marker["candidates"], have_tasks.get(k, 0),
-                        marker["kept"])
-    chunks.retain(lambda marker: marker["chunk"] in finished)
-    return finished
 
 
 def train_solver(r: SelfPlayRun, t: int) -> dict:

@@ -4,13 +4,15 @@
 gates, rubrics, N Solver rollouts, per-rubric grades, the mean rubric score g-bar and R_C (eq. 4, 5).
 `solver_rewards` is R_S (eq. 6, 7) for graded Solver rollouts. Every model call is batched: one engine call
 per rollout turn, one Judge call per stage. `answerability_check` is the optional answerability gate (Search
-Self-Play's RAG check, `judge.gates: [..., answerability]`).
+Self-Play's RAG check, `judge.gates: [..., answerability]`). `candidate_batch` is the task pool's batch step
+(Stage 2 and the learning check's held-out set): prompts, the Challenger's rollouts, `evaluate_tasks`.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -26,6 +28,8 @@ from scope_lib.selfplay.rollout import (
     RolloutLimits,
     RolloutStats,
     Trajectory,
+    challenger_trajectories,
+    make_challenger_prompts,
     new_trajectory,
     run_rollouts,
     solver_messages,
@@ -302,3 +306,37 @@ def filter_tasks(evals: list[TaskEvaluation], window: tuple[float, float], per_d
                 per_doc[e.document_id] = per_doc.get(e.document_id, 0) + 1
                 kept.append(e)
     return kept
+
+
+@dataclass
+class CandidateBatch:
+    """One batch of candidate tasks (Stage 2, Algorithm 1 lines 19-24): the Challenger's trajectories and their
+    evaluations (gates, rubrics, the Solver's mean rubric score g-bar), and what writing and screening them cost."""
+
+    trajectories: list[Trajectory]
+    evaluations: list[TaskEvaluation]
+    written: RolloutStats
+    screened: RolloutStats
+
+
+def candidate_batch(documents: list, *, params: Params, engine: Engine, retriever: Retriever, dialect: Dialect,
+                    judge: Judge, tokenizer, prompt_seed: int, id_prefix: str, challenger_seed: int, screen_seed: int,
+                    n_solver: int, challenger_adapter: str | None, solver_adapter: str | None,
+                    grading_temperature: float, filtering: bool = False,
+                    share: Callable[[list[ChallengerPrompt]], list[ChallengerPrompt]] | None = None) -> CandidateBatch:
+    """The task pool's batch step, for the pool (`selfplay.loop.build_pool`) and the learning check's held-out set:
+    one Challenger prompt per document, the Challenger's rollouts (`challenger_adapter`; None: M0), then
+    `evaluate_tasks` with `n_solver` Solver rollouts each (`solver_adapter`) graded at `grading_temperature`.
+    `share` picks this process's share of the prompts (`ranks.share`; default all of them)."""
+    prompts = make_challenger_prompts(documents, params.selfplay.task_types, params.selfplay.search_turn_strata,
+                                      prompt_seed, tokenizer=tokenizer,
+                                      document_max_tokens=params.selfplay.document_max_tokens, id_prefix=id_prefix)
+    mine = share(prompts) if share is not None else prompts
+    trajectories = challenger_trajectories(mine, dialect, tokenizer)
+    limits = replace(challenger_limits(params), seed=challenger_seed)
+    written = run_rollouts(trajectories, engine, retriever, dialect, limits, adapter=challenger_adapter)
+    evaluations, _graded, screened = evaluate_tasks(
+        trajectories, {q.id: q for q in mine}, params=params, judge=judge, solver_engine=engine,
+        retriever=retriever, dialect=dialect, n_solver=n_solver, solver_adapter=solver_adapter, filtering=filtering,
+        grading_temperature=grading_temperature, seed=screen_seed)
+    return CandidateBatch(trajectories, evaluations, written, screened)

@@ -15,7 +15,7 @@ induction. Every prompt is the one `scope eval` sends (the scorers build it), ch
 encodes it; every reply ends with the end-of-turn token, since the evaluation judge samples without stop strings.
 Both verdicts come equally often.
 
-The judges' calibration probes (`scope_lib.evaluation.calibration`) use other wording ("Identifies X by name.",
+The judges' calibration probes (`scope_lib.evaluation.judge_probes`) use other wording ("Identifies X by name.",
 another question's gold answer), so passing them is not learning them by heart.
 
     traces = eval_judge_traces(tokenizer, documents, params.model.warm_start)
@@ -33,15 +33,13 @@ from scope_lib.config import WarmStartConfig
 from scope_lib.evaluation import scorers as S
 from scope_lib.evaluation.benchmarks import Item
 from scope_lib.protocol import prompts
+from scope_lib.protocol.facts import Names, fact_pairs, fact_responses, mentions
 from scope_lib.retrieval.corpus import Passage
-from scope_lib.selfplay.calibration import fact_pairs, fact_responses
 from scope_lib.smoke.teacher import (
     SENTENCE_RUBRICS,
     Example,
-    Names,
     TeacherError,
     listed_facts,
-    mentions,
     title_words,
 )
 
@@ -125,7 +123,7 @@ def _example(tokenizer, role: str, messages: list[dict[str, str]], reply: str) -
 
 def eval_judge_traces(tokenizer, documents: Sequence[Passage], cfg: WarmStartConfig) -> list[JudgeTrace]:
     """PER_DOCUMENT short-form-judge and criterion-grader traces per document with at least four facts (names and
-    years of `cfg.fact_max_tokens` tokens, `teacher.Names`), half of each role saying yes. Deterministic for
+    years of `cfg.fact_max_tokens` tokens, `protocol.facts.Names`), half of each role saying yes. Deterministic for
     `cfg.seed`. A reply that would not fit EVAL_JUDGE_MAX_TOKENS is skipped."""
     names = Names(tokenizer, cfg.fact_max_tokens)
     by_document = [(d, names.facts(d.text, exclude=title_words(d.title))) for d in documents]

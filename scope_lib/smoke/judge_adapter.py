@@ -26,11 +26,11 @@ from typing import Any
 
 from scope_lib.config import JudgeAdapterConfig, WarmStartConfig
 from scope_lib.config import cache_dir as scope_cache_dir
-from scope_lib.retrieval.corpus import corpus_checksum, read_corpus
+from scope_lib.retrieval.corpus import corpus_checksum, read_corpus, teacher_documents
 from scope_lib.runs import build_directory
 from scope_lib.smoke import eval_judge_teacher
 from scope_lib.smoke.sft import sft
-from scope_lib.smoke.teacher import TeacherStats, sft_passes, teacher_documents
+from scope_lib.smoke.teacher import TeacherStats, sft_passes
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,13 @@ from typing import Any
 
 from scope_lib.config import Params
 from scope_lib.protocol.dialects import get_dialect
+from scope_lib.protocol.facts import Names, mentions
 from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.corpus import Passage
 from scope_lib.selfplay.judge import Judge
 from scope_lib.selfplay.rollout import challenger_trajectories, make_challenger_prompts, run_rollouts
 from scope_lib.selfplay.tasks import challenger_limits, evaluate_tasks, solver_rewards
-from scope_lib.smoke.teacher import Names, mentions, rubric_fact
+from scope_lib.smoke.teacher import rubric_fact
 
 
 def _share(part: float, whole: float) -> float:

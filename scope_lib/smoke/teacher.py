@@ -40,13 +40,12 @@ from typing import Any
 
 from scope_lib.config import Params, WarmStartConfig, validate_params
 from scope_lib.models.engine import Completion, Sampling
-from scope_lib.protocol import prompts
+from scope_lib.protocol import facts, prompts
 from scope_lib.protocol.dialects import DIALECTS, Dialect, get_dialect
-from scope_lib.retrieval import corpus
+from scope_lib.protocol.facts import Names, fact_pairs, fact_responses, is_year, mentions
 from scope_lib.retrieval.api import Retriever
-from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_split
+from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_documents
 from scope_lib.retrieval.index import build_or_open_index
-from scope_lib.selfplay.calibration import fact_pairs, fact_responses
 from scope_lib.selfplay.judge import ANSWERABILITY, make_judge
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
@@ -120,94 +119,8 @@ class TeacherStats:
         self.verdicts.setdefault(stage, [0, 0])[verdict] += 1
 
 
-# -- documents ---------------------------------------------------------------------------------------
-
-
-def split_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> tuple[list[Passage], list[Passage]]:
-    """(teacher pool, held-out documents): a permutation of the corpus seeded by `cfg.seed`; its last
-    `held_out_share` are held out (`retrieval.corpus.teacher_split`). The teacher reads only the first
-    `cfg.documents` of the pool (`teacher_documents`); tests measure parse rates on the held-out ones."""
-    return teacher_split(passages, cfg.held_out_share, cfg.seed)
-
-
-def teacher_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> list[Passage]:
-    """The documents the teacher writes every trace from (`retrieval.corpus.teacher_documents`)."""
-    return corpus.teacher_documents(passages, cfg.documents, cfg.held_out_share, cfg.seed)
-
-
-def held_out_documents(passages: Sequence[Passage], cfg: WarmStartConfig) -> list[Passage]:
-    """Documents the teacher never writes traces from (for measuring the warmed model on unseen documents)."""
-    return split_documents(passages, cfg)[1]
-
-
-# -- what a text names ----------------------------------------------------------------------------------
-
-_WORD = re.compile(r"(?<![\w'’-])[A-Z][\w'’-]*|(?<![\w.,])\d{2,4}(?![\w])")
-_SENTENCE_START = re.compile(r"(?:^|[.!?:;]\s+|[\n(\"“]\s*)$")
-_NOT_NAMES = {
-    "A", "An", "The", "In", "On", "At", "He", "She", "It", "His", "Her", "Its", "They", "Their", "This", "That",
-    "These", "Those", "There", "After", "Before", "During", "From", "With", "For", "By", "As", "When", "While",
-    "Although", "However", "But", "And", "Or", "If", "Since", "Then", "Also", "Some", "Many", "Most", "One",
-    "Two", "Both", "Each", "All", "Other", "Following", "According", "Despite", "Under", "Over", "Between",
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December", "I", "We", "You", "Our", "To", "Of", "Not", "No", "Yes", "Later", "Today",
-    "Title", "Doc", "Document", "Question", "Task",
-}
-_YEAR = re.compile(r"1[5-9]\d\d|20[0-4]\d")
-
-
-class Names:
-    """The names and facts a model can copy: capitalised words and numbers of at most `max_tokens` tokens of its
-    tokenizer (written with a leading space, as they appear inside text; `model.warm_start.fact_max_tokens`).
-    The tiny model gets 1: copying longer names needs induction heads, which it does not learn in a CPU budget;
-    a pretrained model copies longer ones."""
-
-    def __init__(self, tokenizer, max_tokens: int = 1):
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
-        self._short: dict[str, bool] = {}
-
-    def single(self, word: str) -> bool:
-        """Whether `word` is short enough to be a fact (at most `max_tokens` tokens)."""
-        if word not in self._short:
-            n = len(self.tokenizer.encode(" " + word, add_special_tokens=False))
-            self._short[word] = n <= self.max_tokens
-        return self._short[word]
-
-    def names(self, text: str, exclude: Sequence[str] = ()) -> list[str]:
-        """Short capitalised words (`single`) of `text` in order, without repeats; a word that starts a sentence
-        (or a line) does not count, nor common function words."""
-        skip = {e.lower() for e in exclude}
-        found: list[str] = []
-        for m in _WORD.finditer(text):
-            word = re.sub(r"['’]s$", "", m.group(0)).rstrip("'’-")
-            if word[0].isdigit() or word in _NOT_NAMES or word.lower() in skip or word in found or len(word) < 3:
-                continue
-            if m.start() == 0 or _SENTENCE_START.search(text[max(0, m.start() - 3):m.start()]):
-                continue
-            if self.single(word):
-                found.append(word)
-        return found
-
-    def facts(self, text: str, exclude: Sequence[str] = ()) -> list[str]:
-        """Checkable short facts of `text` in order: names and years."""
-        skip = {e.lower() for e in exclude}
-        names = set(self.names(text, exclude))
-        found: list[str] = []
-        for m in _WORD.finditer(text):
-            word = re.sub(r"['’]s$", "", m.group(0)).rstrip("'’-")
-            keep = word in names or (_YEAR.fullmatch(word) is not None and self.single(word))
-            if keep and word not in found and word.lower() not in skip:
-                found.append(word)
-        return found
-
-
 def title_words(title: str) -> list[str]:
     return [w.strip(",.()") for w in title.split()]
-
-
-def mentions(haystack: str, needle: str) -> bool:
-    """Whether `needle` occurs in `haystack` as a whole word, ignoring case."""
-    return re.search(rf"(?<![\w]){re.escape(needle)}(?![\w])", haystack, re.IGNORECASE) is not None
 
 
 #: The teacher's reasoning, one fixed sentence per kind of turn. Names appear only where the protocol needs
@@ -503,7 +416,7 @@ _PRIORITIES = {3: ["critical", "important", "bonus"], 4: ["critical", "important
 
 #: Rubric wordings of the sentence grades (`model.warm_start.sentence_grades`): several, so that the grader reads
 #: the fact rather than one phrase. The calibration probes' wording ("Identifies X by name.",
-#: `selfplay.calibration.FACT_RUBRIC`) is deliberately not among them.
+#: `selfplay.grader_probe.FACT_RUBRIC`) is deliberately not among them.
 SENTENCE_RUBRICS = ("Mentions {fact}.", "States {fact}.", "Names {fact}.", "Gives {fact}.", "Includes {fact}.")
 
 
@@ -541,7 +454,7 @@ class JudgeTeacher:
         chosen = facts[:RUBRICS_PER_TASK]
         if len(chosen) < 3:
             raise TeacherError(f"fewer than three facts in the document: {document[:80]!r}")
-        texts = [rng.choice(_RUBRIC_VERBS["year" if _YEAR.fullmatch(f) else "name"]).format(fact=f) for f in chosen]
+        texts = [rng.choice(_RUBRIC_VERBS["year" if is_year(f) else "name"]).format(fact=f) for f in chosen]
         for n in range(len(texts), 2, -1):
             reply = "<rubrics>\n" + "".join(f'<rubric priority="{p}">{r}</rubric>\n'
                                              for p, r in zip(_PRIORITIES[n], texts, strict=False)) + "</rubrics>"
@@ -816,7 +729,7 @@ def sentence_grades(passed: list[Trajectory], prompts_by_id: dict[str, Challenge
 def teacher_examples(tokenizer, corpus_path: str | Path, cfg: WarmStartConfig, index_dir: str | Path
                      ) -> tuple[list[Example], TeacherStats]:
     """All SFT examples for the warm start: `cfg.documents` documents from the teacher's part of the corpus
-    (split_documents), every role, every dialect in `cfg.dialects`. Deterministic for a seed."""
+    (`retrieval.corpus.teacher_documents`), every role, every dialect in `cfg.dialects`. Deterministic for a seed."""
     stats = TeacherStats()
     documents = teacher_documents(read_corpus(corpus_path).passages, cfg)
     if len(documents) < 4:
@@ -834,18 +747,14 @@ def teacher_examples(tokenizer, corpus_path: str | Path, cfg: WarmStartConfig, i
 
 
 def protocol_fingerprint() -> str:
-    """A hash of everything the warm-started model learns the protocol from besides the corpus: the prompt
-    templates, task types, dialects' search syntax and this module (its version and source). A change
-    rebuilds the model."""
+    """A hash of everything the warm-started model learns the protocol from besides the corpus: this module (its
+    version and source) and the fact extraction it writes rubrics and grades with (`protocol.facts`), the prompt
+    templates, task types and dialects' search syntax (`prompts.protocol_fingerprint`). A change rebuilds the
+    model."""
     digest = hashlib.sha256(f"teacher-v{TEACHER_VERSION}".encode())
     digest.update(Path(__file__).read_bytes())  # any change to what the teacher writes rebuilds the model
-    for name in prompts.TEMPLATE_NAMES:
-        digest.update(name.encode() + b"\0" + prompts.load_template(name).template.encode() + b"\0")
-    for spec in prompts.TASK_TYPES.values():
-        digest.update(f"{spec.key}|{spec.name}|{spec.description}".encode())
-    for d in DIALECTS.values():
-        digest.update(f"{d.name}|{d.search_example}|{d.results_description}|{d.results_role}".encode())
-    return digest.hexdigest()
+    digest.update(Path(facts.__file__).read_bytes())
+    return prompts.protocol_fingerprint(digest)
 
 
 #: Renderings of each prompt per protocol text sample (so their fixed phrases become single tokens).

@@ -26,7 +26,7 @@ from typing import Any
 from scope_lib.config import JUDGE_ADAPTER_MODEL, Params, TinyModelConfig, WarmStartConfig
 from scope_lib.config import cache_dir as scope_cache_dir
 from scope_lib.models.tiny import TinyModelError, build_tiny_model, cache_key, cache_root, read_passages
-from scope_lib.retrieval.corpus import corpus_checksum, read_corpus
+from scope_lib.retrieval.corpus import corpus_checksum, read_corpus, teacher_documents
 from scope_lib.runs import build_directory
 from scope_lib.smoke import eval_judge_teacher
 from scope_lib.smoke.sft import sft
@@ -35,7 +35,6 @@ from scope_lib.smoke.teacher import (
     protocol_fingerprint,
     protocol_texts,
     sft_passes,
-    teacher_documents,
     teacher_examples,
 )
 

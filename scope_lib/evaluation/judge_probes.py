@@ -1,6 +1,7 @@
 """Calibration of the benchmark judges: before `scope eval` counts a judge's verdicts, the judge answers controlled
 pairs whose right verdict is known, built from data the run already has (not in the paper, which trusts its §4.1
-judges as they are; `scope_lib.selfplay.calibration` has the records, the numbers and the self-Judge's probe).
+judges as they are; `scope_lib.selfplay.grader_probe` has the records, the numbers and the self-Judge's probe,
+`probe_self_judge`, which notebook 05 takes from here beside the benchmark judges').
 
 One probe per judge *role* (the judge prompt a scorer uses, `Scorer.calibration_role`), made with that scorer's own
 prompt builder, so the probe asks exactly what scoring asks:
@@ -33,16 +34,18 @@ from scope_lib.config import CalibrationConfig, Params
 from scope_lib.evaluation import scorers as S
 from scope_lib.evaluation.benchmarks import BENCHMARKS, Item
 from scope_lib.evaluation.judge import BenchmarkJudge, JudgeSettings, Usage, ask_with_retries
+from scope_lib.protocol.facts import fact_pairs, fact_responses
 from scope_lib.retrieval.corpus import Passage
-from scope_lib.selfplay.calibration import (
+from scope_lib.selfplay.grader_probe import (
     FACT_RUBRIC,
     Calibration,
     ProbeItem,
     calibrate,
-    fact_pairs,
-    fact_responses,
     pairs_needed,
     unseen_by_teacher,
+)
+from scope_lib.selfplay.grader_probe import (  # the self-Judge grader's probe, beside the judges' (notebook 05)
+    probe_self_judge as probe_self_judge,
 )
 
 log = logging.getLogger(__name__)
@@ -142,7 +145,7 @@ def short_form_probe(items: Sequence[Item], n: int, seed: int = 0, evaluated: se
 
 
 def criterion_probe(passages: Sequence[Passage], n: int, seed: int = 0, role: str = "criterion") -> list[Case]:
-    """Fact pairs from the corpus (`selfplay.calibration.fact_pairs`): the criterion asks for one fact; the reply
+    """Fact pairs from the corpus (`protocol.facts.fact_pairs`): the criterion asks for one fact; the reply
     states it (yes, in two orders), drops its sentence or swaps the fact for another passage's (no)."""
     cases: list[Case] = []
     for pair in fact_pairs(passages, pairs_needed(n), seed):

@@ -1,12 +1,13 @@
-"""Judge calibration: before a judge's verdicts count, it answers controlled pairs whose right verdict is known
-(not in the paper, whose judges are trusted as they are; HealthBench measured its grader against physicians
-before using it). Every probe is built from data the run already has, never labelled by hand:
+"""The self-Judge grader's calibration probe, and the records and numbers every judge probe shares. Before a judge's
+verdicts count, it answers controlled pairs whose right verdict is known (not in the paper, whose judges are trusted
+as they are; HealthBench measured its grader against physicians before using it). Every probe is built from data
+the run already has, never labelled by hand:
 
 - a rubric's fact stated in a response vs the same response with that fact removed or swapped for another
-  document's (`fact_pairs`, from the corpus): the self-Judge's per-rubric grader (`probe_grader`, Figure 11's
-  prompt) and the benchmark criterion graders (`scope_lib.evaluation.calibration`);
+  document's (`protocol.facts.fact_pairs`, from the corpus): the self-Judge's per-rubric grader (`probe_self_judge`,
+  `probe_grader`, Figure 11's prompt) and the benchmark criterion graders (`scope_lib.evaluation.judge_probes`);
 - a gold answer vs another question's gold, a paraphrase from the benchmark's aliases, an answer against itself
-  and against its own truncation: the benchmark judges (`scope_lib.evaluation.calibration`).
+  and against its own truncation: the benchmark judges (`scope_lib.evaluation.judge_probes`).
 
 Per judge (`calibrate`): sensitivity P(yes | should), specificity P(no | should not), separation P(yes | should)
 - P(yes | should not) over the replies that parsed, the invalid-reply rate (no parse after the retries), and for
@@ -19,16 +20,15 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scope_lib.config import CalibrationConfig, Params
 from scope_lib.protocol import prompts
+from scope_lib.protocol.facts import fact_pairs, fact_responses
 from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_documents
-from scope_lib.selfplay.judge import Judge, JudgeStats
+from scope_lib.selfplay.judge import Judge, JudgeStats, judge_models
 
 log = logging.getLogger(__name__)
 
@@ -148,107 +148,7 @@ def _identity_consistency(games: list[ProbeItem]) -> float | None:
     return sum(abs(v[0] + v[1] - 1.0) < 1e-9 for v in pairs) / len(pairs) if pairs else None
 
 
-# -- fact pairs from the corpus ----------------------------------------------------------------------------
-
-_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(])")
-_YEAR = re.compile(r"(?<![\w.,])(1[5-9]\d\d|20[0-4]\d)(?![\w])")
-_NAME = re.compile(r"(?<![\w'’-])([A-Z][a-z]+(?:\s+[A-Z][a-z]+){0,2})(?![\w'’-])")
-_NOT_NAMES = {
-    "The", "This", "That", "These", "Those", "There", "Their", "They", "His", "Her", "Its", "She", "After", "Before",
-    "During", "From", "With", "For", "When", "While", "Although", "However", "But", "And", "Also", "Some", "Many",
-    "Most", "One", "Two", "Both", "Each", "All", "Other", "Following", "According", "Despite", "Under", "Over",
-    "Between", "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December", "Monday", "Sunday", "Saturday", "Friday", "Later", "Today", "Since", "Then", "Here",
-}
-
-
-@dataclass(frozen=True)
-class FactPair:
-    """A fact of one passage and the sentences a probe response is made of: `stated` holds the fact, `context` is
-    another sentence of the passage that does not, `swapped` is `stated` with the fact replaced by `other`, a fact
-    of the same kind (a year, a name) from another passage that this one never mentions."""
-
-    passage_id: str
-    subject: str
-    fact: str
-    other: str
-    stated: str
-    context: str
-    swapped: str
-
-
-def mentions(text: str, fact: str) -> bool:
-    """Whether `fact` occurs in `text` as a whole word or phrase, ignoring case."""
-    return re.search(rf"(?<![\w]){re.escape(fact)}(?![\w])", text, re.IGNORECASE) is not None
-
-
-def sentences(text: str) -> list[str]:
-    """Complete sentences of a passage (a 100-word passage starts and ends mid-sentence: those pieces go)."""
-    parts = [s.strip() for s in _SENTENCE.split(text.strip())]
-    return [s for s in parts[1:] if s.endswith((".", "!", "?")) and 6 <= len(s.split()) <= 60]
-
-
-def facts_of(sentence: str, exclude: str = "") -> list[tuple[str, str]]:
-    """(kind, fact) pairs of a sentence: years, and capitalised names that do not start it and are not in
-    `exclude` (the passage's title)."""
-    found: list[tuple[str, str]] = [("year", m.group(1)) for m in _YEAR.finditer(sentence)]
-    for m in _NAME.finditer(sentence):
-        name = m.group(1)
-        words = name.split()
-        while words and words[0] in _NOT_NAMES:
-            words.pop(0)
-        name = " ".join(words)
-        if not name or m.start() == 0 or len(name) < 4 or mentions(exclude, name):
-            continue
-        found.append(("name", name))
-    return found
-
-
-def fact_pairs(passages: Sequence[Passage], n: int, seed: int = 0) -> list[FactPair]:
-    """Up to `n` fact pairs from distinct passages in a seeded order: each with a fact stated exactly once, in
-    one sentence, a context sentence without it, and a same-kind fact of another passage to swap in."""
-    order = list(range(len(passages)))
-    random.Random(f"{seed}/calibration/facts").shuffle(order)
-    pool: dict[str, list[tuple[str, str]]] = {"year": [], "name": []}
-    for i in order[: 4 * n + 40]:  # facts to swap in, from the same seeded sample
-        for sentence in sentences(passages[i].text):
-            for kind, fact in facts_of(sentence, passages[i].title):
-                pool[kind].append((passages[i].id, fact))
-    pairs: list[FactPair] = []
-    for i in order:
-        if len(pairs) >= n:
-            break
-        p = passages[i]
-        found = _pair(p, pool, random.Random(f"{seed}/calibration/{p.id}"))
-        if found is not None:
-            pairs.append(found)
-    return pairs
-
-
-def _pair(p: Passage, pool: dict[str, list[tuple[str, str]]], rng: random.Random) -> FactPair | None:
-    parts = sentences(p.text)
-    for k, stated in enumerate(parts):
-        for kind, fact in facts_of(stated, p.title):
-            if len(re.findall(rf"(?<![\w]){re.escape(fact)}(?![\w])", stated, re.IGNORECASE)) != 1:
-                continue
-            context = next((s for j, s in enumerate(parts) if j != k and not mentions(s, fact)), None)
-            others = [o for pid, o in pool[kind] if pid != p.id and not mentions(p.contents, o)
-                      and not mentions(o, fact) and not mentions(fact, o)]
-            if context is None or not others:
-                continue
-            other = rng.choice(sorted(set(others)))
-            swapped = re.sub(rf"(?<![\w]){re.escape(fact)}(?![\w])", other, stated, flags=re.IGNORECASE)
-            return FactPair(p.id, p.title, fact, other, stated, context, swapped)
-    return None
-
-
-def fact_responses(pair: FactPair) -> list[tuple[str, str, bool]]:
-    """(kind, response, should the rubric be met) for one fact pair: the fact stated (in either order with the
-    context sentence), the same response with the fact's sentence removed, and with the fact swapped."""
-    return [("stated", f"{pair.stated} {pair.context}", True),
-            ("reordered", f"{pair.context} {pair.stated}", True),
-            ("removed", pair.context, False),
-            ("swapped", f"{pair.swapped} {pair.context}", False)]
+# -- fact pairs from the corpus (`protocol.facts`) --------------------------------------------------------
 
 
 def pairs_needed(items: int, per_pair: int = 4) -> int:
@@ -266,8 +166,16 @@ def unseen_by_teacher(params: Params, passages: Sequence[Passage]) -> list[Passa
     if not ws.enabled or not passages:
         return list(passages)
     corpus = read_corpus(params.corpus_path, on_error="skip").passages
-    seen = {p.id for p in teacher_documents(corpus, ws.documents, ws.held_out_share, ws.seed)}
+    seen = {p.id for p in teacher_documents(corpus, ws)}
     return [p for p in passages if p.id not in seen]
+
+
+def probe_self_judge(params: Params, judge: Judge, passages: Sequence[Passage]) -> Calibration:
+    """The run's probe of its Judge's per-rubric grader (`judge.calibration`): on the corpus less the teacher's
+    documents (`unseen_by_teacher`), seeded by the document permutation's seed. A run takes it when it opens
+    (`selfplay.loop.open_run`), the learning check once per held-out set, notebook 05 beside the benchmark judges."""
+    return probe_grader(judge, unseen_by_teacher(params, passages), params.judge.calibration,
+                        model=judge_models(params)["grading"], seed=params.selfplay.seed)
 
 
 def probe_grader(judge: Judge, passages: Sequence[Passage], cfg: CalibrationConfig, *, model: str, seed: int = 0
