@@ -14,7 +14,7 @@
     scope eval PARAMS [--checkpoint C ...] [--benchmarks B ...] [--accept-untrusted-judge]
                                                  benchmarks -> <run>/eval/<checkpoint>/ (exit 4: a judge failed
                                                  its calibration probe; its scores are written marked untrusted)
-    scope runs verify RUN                        checksums and tensors of every saved checkpoint of a run
+    scope runs verify RUN                        checksums and tensors of every checkpoint and record of a run
     scope learning-check build PARAMS            the held-out task set (M0's tasks on documents training never samples)
     scope learning-check evaluate PARAMS --checkpoint base iter_01/solver   per-task scores on it -> the set's cache
     scope learning-check compare PARAMS --after iter_01/solver [--control RUN/iter_01/solver]   gain, 95% CI, verdict
@@ -347,7 +347,7 @@ def cmd_runs_verify(args) -> int:
     for stage, verdict in results:
         print(f"{str(stage.relative_to(run_dir)):<24} {verdict}")
     failed = [v for _, v in results if v.startswith("FAIL")]
-    print(f"{run_dir}: {len(results)} finished stage(s), {len(failed)} failed")
+    print(f"{run_dir}: {len(results)} finished stage(s) and record file(s), {len(failed)} failed")
     return 1 if failed else 0
 
 
@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(func=cmd_check_compare)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)
-    verify = runs.add_parser("verify", help="check every saved checkpoint of a run; exit 1 on a damaged one")
+    verify = runs.add_parser("verify", help="check every saved checkpoint and record of a run; exit 1 on a damaged one")
     verify.add_argument("run", help="the run folder, e.g. runs/smoke")
     verify.set_defaults(func=cmd_runs_verify)
     return parser
