@@ -254,6 +254,9 @@ def test_openai_engine_loads_adapters_into_a_real_vllm_server(engine, tiny_vllm_
     argv, env = server_command(load_params(REPO / "params" / "smoke.yaml", settings), port=8000, cpu=True)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-lora" in argv
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and "--enforce-eager" in argv
+    # no prefill split over two steps (the CPU build's seeded-prefill crash; tests/test_selfplay_vllm.py)
+    assert "--no-enable-chunked-prefill" in argv
+    assert int(argv[argv.index("--max-num-batched-tokens") + 1]) >= 512
     port = free_port()
     argv = [sys.executable, "-m", "scope_lib.cli", "serve", "model", "--params", str(REPO / "params" / "smoke.yaml"),
             "--port", str(port), *[arg for key, value in settings.items() for arg in ("-o", f"{key}={value}")]]

@@ -6,7 +6,8 @@
 looks up the metadata of `vllm`), so the server runs as `python -m vllm.entrypoints.openai.api_server`, with
 the same flags. Runtime LoRA loading (`OpenAIEngine.add_adapter`, adapter-only sync every optimiser step) needs
 `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING. On CPU the KV cache is sized in GiB (`engine.kv_cache_gib`,
-else VLLM_CPU_KVCACHE_SPACE, else 1) and the server runs eagerly with `engine.torch_threads` OpenMP threads.
+else VLLM_CPU_KVCACHE_SPACE, else 1), the server runs eagerly with `engine.torch_threads` OpenMP threads, and no
+prefill is split over two steps (vLLM 0.31's CPU build crashes on a split seeded prefill).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from scope_lib.models.vllm_engine import CPU_KV_CACHE_GIB
+from scope_lib.models.vllm_engine import CPU_KV_CACHE_GIB, CPU_PREFILL_TOKENS
 
 if TYPE_CHECKING:
     from scope_lib.config import Params
@@ -43,6 +44,12 @@ def server_command(params: Params, *, model: str | None = None, host: str = "127
     kv_cache_gib = cfg.kv_cache_gib
     if cpu:
         argv += ["--enforce-eager"]   # torch.compile on CPU costs minutes at start
+        # vLLM 0.31's CPU build fails on a seeded request whose prefill is split over two steps ("CPU Generator
+        # does not use offset"; the in-process engine avoids it the same way, `VLLMEngine._cpu_settings`). A server
+        # cannot keep its clients' requests within one step's budget, so it never splits a prefill: a request
+        # that does not fit the step waits for the next one whole.
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                 str(max(CPU_PREFILL_TOKENS, m.max_model_len))]
         kv_cache_gib = kv_cache_gib or float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)
         if cfg.torch_threads:
             env["OMP_NUM_THREADS"] = str(cfg.torch_threads)
