@@ -684,14 +684,15 @@ class _RunLogHandler(logging.FileHandler):
 
 def log_to_run_file(run_dir: str | os.PathLike, level: int = logging.INFO) -> Path:
     """Append the root logger's records at `level` and above to <run_dir>/run.log, with their time; a handler an
-    earlier call added (another run, or the same notebook initialised twice) is replaced."""
+    earlier call added (another run, or the same notebook initialised twice) is replaced. The file is created with
+    its first record: a command refused before it logs anything leaves none behind."""
     path = Path(run_dir) / RUN_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, _RunLogHandler)]:
         root.removeHandler(handler)
         handler.close()
-    handler = _RunLogHandler(path, encoding="utf-8")
+    handler = _RunLogHandler(path, encoding="utf-8", delay=True)
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
