@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo demo-smollm learning-smollm test test-slow lint clean readme-figure chromium
+.PHONY: install demo demo-smollm learning-smollm test test-fast test-slow lint clean readme-figure chromium
 
 install: $(STAMP)
 
@@ -63,26 +63,32 @@ chromium:
 	@test -x $(CHROMIUM) || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium) || \
 	  echo "WARNING: could not install chromium: the report browser test and plotly's static export will skip"
 
-# The suite: unit, component, torch path, real data, servers, notebooks (nbval). GPU tests skip on CPU; the heavy
-# end-to-end checks (marker `heavy`: several ranks, SIGKILL and resume, SmolLM2's warm-start slice) are
-# `make test-slow`. Then the Unsloth tests, in a pytest process of their own: importing Unsloth patches
-# transformers, PEFT and TRL. Both always run (one red test must not hide the other suite's state); the target
-# fails if either failed. Each prints its 25 slowest tests, so the suite's cost shows in every log (docs/testing.md).
+# The suite, every test: unit, component, torch path, real data, servers, notebooks (nbval) and the heavy
+# end-to-end checks (marker `heavy`: several ranks, SIGKILL and resume, SmolLM2's warm-start slice, vLLM servers),
+# in one run of TEST_WORKERS pytest-xdist workers; then the Unsloth tests, in a pytest process of their own
+# (importing Unsloth patches transformers, PEFT and TRL). Both always run (one red test must not hide the other
+# suite's state); the target fails if either failed. Each prints its 25 slowest tests, so the suite's cost shows in
+# every log (docs/testing.md). GPU tests skip on CPU. `make test-fast` leaves out the heavy checks, `make test-slow`
+# runs only them: the quick loops while developing.
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider --durations=25
-# The main suite runs in TEST_WORKERS pytest-xdist workers (one torch thread each, tests/conftest.py): one per core
-# of the 2-core machines CI and the docs' timings use. A test file is one unit of work, and everything sharing the
-# repository's runs/smoke (the notebooks, notebook 01 in JupyterLab, the report fixture) is one unit, run first
-# (tests/conftest.py, `work_unit`). TEST_WORKERS=0 runs it in one process.
+# TEST_WORKERS workers (one torch thread each, tests/conftest.py): one per core of the 2-core machines CI and the
+# docs' timings use. A test file is one unit of work, and everything sharing the repository's runs/smoke (the
+# notebooks, notebook 01 in JupyterLab, the report fixture) is one unit; the longest units go first
+# (tests/conftest.py, `work_unit`, `_FIRST_UNITS`). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
+MAIN_SUITE = $(PYTEST) tests notebooks --nbval-lax -n $(TEST_WORKERS)
 test: $(STAMP) chromium
 	@main=0; unsloth=0; \
-	$(PYTEST) tests notebooks --nbval-lax -m "not heavy" -n $(TEST_WORKERS) $(PYTEST_ARGS) \
-	  || main=$$?; \
+	$(MAIN_SUITE) $(PYTEST_ARGS) || main=$$?; \
 	$(PYTEST) tests/test_unsloth.py -m unsloth $(PYTEST_ARGS) || unsloth=$$?; \
 	echo "make test: main suite exit $$main, Unsloth suite exit $$unsloth"; \
 	test $$main -eq 0 -a $$unsloth -eq 0
 
-# The heavy end-to-end checks (marker `heavy`); CI runs them after `make test` when time allows (.ci/run).
+# Without the heavy end-to-end checks (about half the suite's time): the loop while developing.
+test-fast: $(STAMP) chromium
+	$(MAIN_SUITE) -m "not heavy" $(PYTEST_ARGS)
+
+# Only the heavy end-to-end checks (marker `heavy`); `make test` runs them too.
 test-slow: $(STAMP)
 	$(PYTEST) tests -m heavy -n $(TEST_WORKERS) $(PYTEST_ARGS)
 

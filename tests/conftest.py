@@ -59,11 +59,12 @@ def work_unit(nodeid: str) -> str:
     return RUNS_SMOKE_UNIT if file.endswith(".ipynb") or Path(file).name in _RUNS_SMOKE_FILES else file
 
 
-#: Units handed out first, in this order. `make test`: the runs/smoke unit (the longest), then test_eval_judge.py,
-#: whose `scope eval` test loads the warm-started smoke model: from an empty cache the second worker builds that
-#: model (about 2 minutes) while the first builds notebook 01's index, instead of one worker building both.
-#: `make test-slow`: SmolLM2's warm-start slice (about 4.5 minutes) while the other worker takes the rest.
-_FIRST_UNITS = (RUNS_SMOKE_UNIT, "tests/test_eval_judge.py", "tests/test_smollm_warm_start.py")
+#: Units handed out first, in this order: the longest first (`make test` runs both tiers in one run of 2 workers,
+#: and each worker takes the next unit when it is nearly done with its own), so no worker is left alone with a long
+#: unit at the end. SmolLM2's warm-start slice and the runs/smoke unit (which builds the warm-started smoke model the
+#: notebooks run on) start at once, one per worker; then the other end-to-end checks, each several minutes.
+_FIRST_UNITS = ("tests/test_smollm_warm_start.py", RUNS_SMOKE_UNIT, "tests/test_multiprocess.py",
+                "tests/test_selfplay_vllm.py", "tests/test_resume.py", "tests/test_eval_judge.py")
 #: Inside the runs/smoke unit: the papermill report fixture (notebooks 01-03: it builds runs/smoke's index) first,
 #: then nbval's notebooks, then JupyterLab's notebook 01 on the built index.
 _RUNS_SMOKE_ORDER = {"test_notebooks.py": 0, "test_reports.py": 0, "test_jupyterlab.py": 2}
