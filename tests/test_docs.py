@@ -1,6 +1,7 @@
 """The README is a front door and the docs' links hold (issue 45): the README stays within 120 lines and links
 docs/results.md, where every measured result lives; every page it links exists; every relative link in the README and
-docs/ reaches an existing file and, with an anchor, an existing heading of that file (GitHub's slugs)."""
+docs/ reaches an existing file and, with an anchor, an existing heading of that file (GitHub's slugs); no other
+page states a measured result (an interval of gains, a wall time), which belongs in docs/results.md."""
 import re
 from pathlib import Path
 
@@ -97,3 +98,22 @@ def test_relative_links_reach_a_file_and_a_heading(page):
         if anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target}: no heading with anchor #{anchor} in {linked.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)} has broken links:\n" + "\n".join(broken)
+
+
+#: What a measured result looks like in these pages: a bootstrap interval of signed gains ("[+0.024, +0.092]") or a
+#: wall time in minutes and seconds ("27 min 49 s"). Configuration values (a window "[0.05, 0.95]") are neither.
+MEASURED = re.compile(r"\[[+−-]\d\.\d{3}, [+−-]\d\.\d{3}\]|\b\d+ min \d+ s\b")
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if p.name != "results.md"],
+                         ids=lambda page: page.relative_to(ROOT).as_posix())
+def test_measured_results_live_only_in_results_md(page):
+    found = MEASURED.findall(prose(page.read_text(encoding="utf-8")))
+    assert not found, (f"{page.relative_to(ROOT)} states measured results {found[:3]}: they belong in "
+                       "docs/results.md (dated, with commit, CPU, command and params); link there instead")
+
+
+def test_the_measured_result_pattern_finds_intervals_and_times():
+    assert MEASURED.findall("rose +0.057, 95% interval [+0.024, +0.092], in 27 min 49 s") == [
+        "[+0.024, +0.092]", "27 min 49 s"]
+    assert not MEASURED.findall("the window [0.05, 0.95] and `grpo.seed` 42")
