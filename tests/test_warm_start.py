@@ -536,3 +536,18 @@ def test_eval_judges_option_keeps_old_cache_keys_and_needs_its_budget(shared_dat
     assert smollm.model.warm_start.eval_judges            # on for SmolLM2, measured (README, "Its judges")
     assert min(smollm.evaluation.short_form_judge.max_tokens,
                smollm.evaluation.open_ended_judge.max_tokens) >= T.EVAL_JUDGE_MAX_TOKENS
+
+
+def test_the_sft_keeps_to_the_processs_thread_cap(monkeypatch):
+    """A test worker (OMP_NUM_THREADS=1, tests/conftest.py) builds with one thread whatever `threads` says: two
+    threads on a core the other worker keeps busy spin against it; without a cap the setting holds."""
+    from scope_lib.smoke.sft import sft_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert sft_threads(2) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert sft_threads(2) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert sft_threads(2) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert sft_threads(3) == 3

@@ -64,11 +64,16 @@ class Retriever(Protocol):
         ...
 
 
+def asked_queries(queries: list[str]) -> tuple[list[int], list[list[Hit]]]:
+    """Every backend's first step of `search`: the positions of the queries that ask something (a blank query
+    gets no hits) and one empty hit list per query, to be filled at those positions."""
+    return [i for i, q in enumerate(queries) if q and q.strip()], [[] for _ in queries]
+
+
 def dense_search(retriever, queries: list[str], k: int | None = None) -> list[list[Hit]]:
     """`search` of an embedding index (chroma, faiss): blank queries get no hits; the others are embedded in
     one call and searched in one `search_embeddings` call."""
-    asked = [i for i, q in enumerate(queries) if q and q.strip()]
-    results: list[list[Hit]] = [[] for _ in queries]
+    asked, results = asked_queries(queries)
     if not asked:
         return results
     embeddings = retriever.embedder.embed_queries([queries[i] for i in asked])

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from scope_lib.retrieval.api import BuildStats, Hit
+from scope_lib.retrieval.api import BuildStats, Hit, asked_queries
 from scope_lib.retrieval.store import (
     PassageStore,
     StageStats,
@@ -109,8 +109,7 @@ class BM25Retriever:
 
     def search(self, queries: list[str], k: int | None = None) -> list[list[Hit]]:
         k = k or self.top_k
-        asked = [i for i, q in enumerate(queries) if q and q.strip()]
-        results: list[list[Hit]] = [[] for _ in queries]
+        asked, results = asked_queries(queries)
         if not asked:
             return results
         tokens = _tokenizer().tokenize([queries[i] for i in asked], update_vocab=True, return_as="string",

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from scope_lib.retrieval.api import Hit, RetrievalError, RetrieverUnavailable
+from scope_lib.retrieval.api import Hit, RetrievalError, RetrieverUnavailable, asked_queries
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class HttpRetriever:
 
     def search(self, queries: list[str], k: int | None = None) -> list[list[Hit]]:
         k = k or self.top_k
-        asked = [i for i, q in enumerate(queries) if q and q.strip()]
-        results: list[list[Hit]] = [[] for _ in queries]
+        asked, results = asked_queries(queries)
         if not asked:
             return results
         payload = {"queries": [queries[i] for i in asked], "topk": k, "return_scores": True}

@@ -89,11 +89,20 @@ def _sft_trainer_class(name_ids: list[int] | None = None, name_weight: float = 1
     return CompletionSFTTrainer
 
 
+def sft_threads(wanted: int) -> int:
+    """The SFT's torch threads: `wanted` (`threads` of the warm start or the judge adapter), at most
+    $OMP_NUM_THREADS when that is set. A process told to use one thread (a test worker beside another on a
+    2-core machine) keeps to it: two threads on a core another process keeps busy spin against it and build
+    several times slower. The weights do not depend on the thread count."""
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(wanted, int(cap)) if cap.isdigit() and int(cap) > 0 else wanted
+
+
 def sft(source: str | os.PathLike, passes: list, tokenizer, ws: WarmStartConfig, *, work_dir: str | os.PathLike):
     """TRL's SFTTrainer on `passes` (`teacher.sft_passes`: loss on the completion tokens only) over the model in
     `source`: every weight (`ws.method: full`) or a new LoRA adapter (`lora`; the returned model is then a
-    PeftModel). Seeded by `ws.seed`, on `ws.threads` torch threads; scratch files go to a temporary folder in
-    `work_dir`. Returns (model, what the SFT did: tokens, steps, mean loss, mean of the last five logged losses)."""
+    PeftModel). Seeded by `ws.seed`, on `ws.threads` torch threads (`sft_threads`); scratch files go to a
+    temporary folder in `work_dir`. Returns (model, what the SFT did: tokens, steps, mean loss, mean of the last five logged losses)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -103,7 +112,7 @@ def sft(source: str | os.PathLike, passes: list, tokenizer, ws: WarmStartConfig,
                                  "completion_mask": [e.completion_mask for e in passes],
                                  "length": [len(e.input_ids) for e in passes]})
     threads = torch.get_num_threads()
-    torch.set_num_threads(ws.threads)
+    torch.set_num_threads(sft_threads(ws.threads))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(ws.seed)
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
