@@ -362,3 +362,21 @@ def test_the_smollm_recipe_and_its_control_share_one_held_out_set():
     assert trained.learning_check.held_out_documents >= 400 and trained.learning_check.tasks >= 48
     assert trained.grpo.reward_control == "none" and trained.solver.temperature >= 1.0
     assert training_documents(trained, 1000) == 1000 - trained.learning_check.held_out_documents
+
+
+def test_the_paired_interval_covers_a_zero_gain_about_95_times_in_100():
+    """Coverage of `paired_bootstrap` (issue 47): 1,000 held-out sets of 48 tasks whose true gain is 0, each task's
+    difference that of two checkpoints' mean rubric scores over K = 4 rollouts (the same success rate on both
+    sides, drawn per task): the 95% interval covers 0 in 93-97% of them. Wrong percentiles (90% or 99% intervals),
+    resampling rollouts instead of tasks, or a shrunken spread would fall outside."""
+    import numpy as np
+
+    rng = np.random.default_rng(47)
+    covered = 0
+    for trial in range(1000):
+        p = rng.uniform(0.0, 0.6, 48)
+        differences = (rng.binomial(4, p) - rng.binomial(4, p)) / 4
+        lo, hi = paired_bootstrap(list(differences), 2000, seed=trial)
+        covered += lo <= 0.0 <= hi
+    # measured 0.935 here (0.945-0.95 with other seeds): the percentile interval runs a little short at 48 tasks
+    assert 0.93 <= covered / 1000 <= 0.97, covered / 1000
