@@ -281,8 +281,8 @@ def compare_evaluations(before: CheckpointEvaluation, after: CheckpointEvaluatio
 class Verdict:
     """Whether a run learned: the trained gain's interval above 0 and the gain above the control's."""
 
-    learned: bool
-    reason: str
+    outcome: str  # one of VERDICTS: learned, not learned, or not shown (no control, or an untrusted grader)
+    reason: str  # the outcome, then why, in one sentence
     gain: float
     ci95: tuple[float, float]
     control_gain: float | None = None
@@ -291,13 +291,13 @@ class Verdict:
     judge_trusted: bool | None = None  # the grader probe's verdict (None: not probed)
     judge: str | None = None  # the probe's numbers in one phrase
 
+    def __post_init__(self) -> None:
+        if self.outcome not in VERDICTS:
+            raise ValueError(f"a verdict is one of {VERDICTS}, not {self.outcome!r}")
+
     @property
-    def outcome(self) -> str:
-        """The verdict in its word (VERDICTS): learned, not learned, or not shown (no control, or an untrusted
-        grader)."""
-        word = self.reason.split(":", 1)[0]
-        assert word in VERDICTS, f"a verdict's reason starts with one of {VERDICTS}: {self.reason!r}"
-        return word
+    def learned(self) -> bool:
+        return self.outcome == "learned"
 
     @property
     def meets_target(self) -> bool:
@@ -326,7 +326,7 @@ def learning_verdict(trained: Comparison, control: Comparison | None = None, gra
         return verdict
     why = f"the frozen Judge's grader failed its calibration probe ({'; '.join(grader.reasons)}: {grader.numbers()})"
     if not accept_untrusted_judge:
-        verdict.learned = False
+        verdict.outcome = "not shown"
         verdict.reason = (f"not shown: {verdict.reason.split(': ', 1)[1]}, but {why}, so its scores may not "
                           "follow the rubrics; fix the Judge (docs/evaluation.md, Judge calibration) or accept it "
                           "with learning_check.accept_untrusted_judge (--accept-untrusted-judge)")
@@ -345,19 +345,19 @@ def _gain_verdict(trained: Comparison, control: Comparison | None) -> Verdict:
               "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None}
     interval = f"[{lo:+.3f}, {hi:+.3f}]"
     if lo <= 0:
-        return Verdict(False, f"not learned: the gain {gain:+.3f} has a 95% interval {interval} over "
+        return Verdict("not learned", f"not learned: the gain {gain:+.3f} has a 95% interval {interval} over "
                        f"{trained.n_tasks} tasks that does not lie above 0 (no gain that can be told from noise)",
                        **common)
     if control is None:
-        return Verdict(False, f"not shown: the gain {gain:+.3f} {interval} is above 0, but without a shuffled-reward "
+        return Verdict("not shown", f"not shown: the gain {gain:+.3f} {interval} is above 0, but without a shuffled-reward "
                        "control it may be drift, not learning: train the same params with "
                        "-o grpo.reward_control=shuffled and give its checkpoint as the control", **common)
     if gain <= control.gain:
-        return Verdict(False, f"not learned: the gain {gain:+.3f} {interval} is not above the shuffled-reward "
+        return Verdict("not learned", f"not learned: the gain {gain:+.3f} {interval} is not above the shuffled-reward "
                        f"control's {control.gain:+.3f}: the rise is drift, not learning", **common)
     times = "the control did not gain" if ratio == math.inf else f"{ratio:.1f}x the control's {control.gain:+.3f}"
     target = "meets" if ratio is not None and ratio >= TARGET_RATIO else "below"
-    return Verdict(True, f"learned: the gain {gain:+.3f} {interval} is above 0 and above the shuffled-reward "
+    return Verdict("learned", f"learned: the gain {gain:+.3f} {interval} is above 0 and above the shuffled-reward "
                    f"control ({times}; {target} the {TARGET_RATIO:g}x target)", **common)
 
 
