@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_helpers import FAST, AlternatingEngine, fast_params, load_policy
+from training_helpers import FAST, AlternatingEngine, comparable, fast_params, load_policy
 
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.runs import read_jsonl
@@ -101,12 +101,6 @@ def resumed_and_uninterrupted(tmp_path, wiki_sample, tiny_model_dir, env, settin
     finish(resumed, killed_root, "resumed.log")
     finish(clean, clean_root, "clean.log")
     return run_dir, clean_root / run_dir.name
-
-
-def comparable(path: Path) -> list[dict]:
-    """The records sorted by id, without wall-clock timings (the only fields two runs may differ in)."""
-    return sorted(({k: v for k, v in r.items() if not k.startswith("time_")} for r in read_jsonl(path)),
-                  key=lambda r: r["id"])
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from training_helpers import comparable
 
 from scope_lib.config import load_params
 from scope_lib.models.loading import apply_torch_threads
@@ -45,16 +46,6 @@ RECORDS = [("challenger", "rollouts.jsonl"), ("challenger", "metrics.jsonl"), ("
 
 def settings(runs_dir: Path, data_dir: Path, **more) -> dict:
     return {"run.runs_dir": str(runs_dir), "run.data_dir": str(data_dir), **more}
-
-
-#: Fields measured by the wall clock: the only ones two runs of the same seeds may differ in.
-CLOCK = ("time_", "tokens_per_s")
-
-
-def comparable(path: Path) -> list[dict]:
-    """The records sorted by id, without wall-clock measurements."""
-    return sorted(({k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in read_jsonl(path)),
-                  key=lambda r: r["id"])
 
 
 def logprobs(record: dict) -> list[float]:

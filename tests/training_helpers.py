@@ -33,6 +33,19 @@ POOR = {"challenger": "I would rather not write a task.",
         "solver": "<think>No need to look anything up.</think>\n<answer>I do not know.</answer>"}
 
 
+#: Fields measured by the wall clock: the only ones two runs of the same seeds may differ in.
+CLOCK = ("time_", "tokens_per_s")
+
+
+def comparable(path) -> list[dict]:
+    """A record file's records sorted by id, without wall-clock measurements (what a resumed run and an
+    uninterrupted one must agree on)."""
+    from scope_lib.runs import read_jsonl
+
+    return sorted(({k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in read_jsonl(path)),
+                  key=lambda r: r["id"])
+
+
 def fast_params(tmp_path, data_dir, **overrides):
     return load_params(REPO / "params" / "smoke.yaml",
                        {"run.runs_dir": str(tmp_path), "run.data_dir": str(data_dir), **FAST, **overrides})
