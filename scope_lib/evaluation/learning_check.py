@@ -438,7 +438,7 @@ def check_training(params: Params, ck: Checkpoint, role: str) -> None:
                           f"{params.retrieval.corpus}), else its tasks may come from training documents: check with "
                           "that run's values, or retrain with these")
     control = trained.grpo.reward_control
-    if role == "control" and control != "shuffled":
+    if role == "control" and control == "none":
         raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {control}: it is a trained run, not a "
                           "control; give a checkpoint of the same params trained with -o grpo.reward_control=shuffled")
     if role == "after" and control != "none":
