@@ -170,6 +170,62 @@ def test_the_pool_is_deterministic_by_seed(tmp_path, wiki_sample, tiny_model_dir
     assert {c["evaluation"]["document_id"] for c in other} != {c["evaluation"]["document_id"] for c in first}
 
 
+class WeightsEngine(AlternatingEngine):
+    """The alternating scripted engine whose Challenger signs its task with a digest of its current weights: its
+    tasks follow its weights, as a model's do (the scripted text alone would not see a Challenger trained apart)."""
+
+    def __init__(self, policy):
+        super().__init__(policy.tokenizer, DIALECT)
+        self.policy = policy
+
+    def _challenger(self, context: str) -> str:
+        import hashlib
+
+        text = super()._challenger(context)
+        digest = hashlib.sha256()
+        for _, weights in sorted(self.policy.state("challenger").items()):
+            digest.update(weights.numpy().tobytes())
+        return text.replace("</task>", f" (draft {digest.hexdigest()[:8]})</task>")
+
+
+def test_the_control_differs_from_the_trained_run_in_the_solvers_rewards_alone(tmp_path, wiki_sample,
+                                                                               tiny_model_dir, retriever):
+    """`grpo.reward_control: shuffled`, the learning check's control (issue 47): with the same seeds its
+    Challenger, Stage 1 and task pool are the trained run's, bit for bit; its Solver trains on each step's earned
+    rewards permuted among the step's rows."""
+    from safetensors.torch import load_file
+    from training_helpers import comparable
+
+    dirs = {}
+    for control in ("none", "shuffled"):
+        params = fast_params(tmp_path / control, wiki_sample.parent, **{
+            "grpo.reward_control": control, "selfplay.challenger_steps": 1, "selfplay.steps_per_role": 2})
+        policy = load_policy(params, tiny_model_dir)
+        engine = WeightsEngine(policy)
+        run(params, policy=policy, engine=engine, judge=Judge(engine, params.judge, seed=params.selfplay.seed),
+            retriever=retriever)
+        dirs[control] = params.run_dir / "iter_01"
+    trained, control = dirs["none"], dirs["shuffled"]
+    for stage, name in [("challenger", "rollouts"), ("challenger", "solver_rollouts"), ("pool", "candidates"),
+                        ("pool", "tasks")]:
+        assert comparable(control / stage / f"{name}.jsonl") == comparable(trained / stage / f"{name}.jsonl"), name
+    assert comparable(trained / "pool" / "tasks.jsonl")                       # a pool to compare
+    adapter = "adapter/adapter_model.safetensors"
+    c_trained, c_control = load_file(trained / "challenger" / adapter), load_file(control / "challenger" / adapter)
+    assert all(c_control[k].equal(v) for k, v in c_trained.items())           # the same Challenger C_1
+    earned = {r["id"]: r["reward"] for r in read_jsonl(trained / "solver" / "rollouts.jsonl")}
+    solver = read_jsonl(control / "solver" / "rollouts.jsonl")
+    assert {r["id"]: r["reward"] for r in solver} == earned                  # the same rollouts earned the same ...
+    steps = sorted({r["step"] for r in solver})
+    assert steps == [1, 2]
+    for step in steps:                                                        # ... GRPO got them permuted per step
+        rows = [r for r in solver if r["step"] == step]
+        assert sorted(r["trained_reward"] for r in rows) == sorted(r["reward"] for r in rows)
+    assert any(r["trained_reward"] != r["reward"] for r in solver)
+    s_trained, s_control = load_file(trained / "solver" / adapter), load_file(control / "solver" / adapter)
+    assert any(not s_control[k].equal(v) for k, v in s_trained.items())      # so the Solvers differ
+
+
 def test_the_pool_stops_before_the_learning_checks_held_out_documents(tmp_path, wiki_sample, tiny_model_dir,
                                                                      retriever):
     """With `learning_check.held_out_documents` the task pool runs out of documents where the reserved tail

@@ -248,18 +248,22 @@ def scored_step(params, policy, retriever, passages, tmp_path, control: str):
     return values, list(session.records)
 
 
-def test_the_shuffled_control_permutes_each_batch_and_the_default_trains_on_the_rewards(
+def test_the_shuffled_controls_permute_each_batch_and_the_default_trains_on_the_rewards(
         params, retriever, passages, tiny_model_dir, tmp_path):
+    """A Challenger step: 'shuffled' (the learning check's control) leaves its rewards alone, 'shuffled_both'
+    permutes them (the Solver's under 'shuffled': tests/test_selfplay_loop.py)."""
     policy = load_policy(params, tiny_model_dir)
     given, records = scored_step(params, policy, retriever, passages, tmp_path, "none")
     earned = [r["reward"] for r in records]
     assert given == earned and len(set(earned)) > 1                           # default: untouched (eq. 4)
     assert all("trained_reward" not in r for r in records)
-    shuffled, control_records = scored_step(params, policy, retriever, passages, tmp_path, "shuffled")
+    solver_only, solver_only_records = scored_step(params, policy, retriever, passages, tmp_path, "shuffled")
+    assert solver_only == earned and solver_only_records == records           # the Challenger's: untouched
+    shuffled, control_records = scored_step(params, policy, retriever, passages, tmp_path, "shuffled_both")
     assert [r["reward"] for r in control_records] == earned                   # the rollouts earned the same ...
     assert sorted(shuffled) == sorted(earned) and shuffled != earned          # ... the trainer got them permuted
     assert [r["trained_reward"] for r in control_records] == shuffled
-    again, _ = scored_step(params, policy, retriever, passages, tmp_path / "again", "shuffled")
+    again, _ = scored_step(params, policy, retriever, passages, tmp_path / "again", "shuffled_both")
     assert again == shuffled                                                  # seeded
 
 

@@ -482,7 +482,7 @@ class RoleSession:
             values, metrics = self._challenger_rewards(trajectories, step)
         else:
             values, metrics = self._solver_rewards(trajectories, step)
-        if self.ctx.params.grpo.reward_control == "shuffled":  # the learning check's control: no information
+        if shuffles_rewards(self.ctx.params.grpo.reward_control, self.ctx.role):  # the learning check's control
             values = permute_rewards(values, control_seed(self.ctx.seed, step, ranks.rank()))
             for record, given in zip(self.unwritten["rollouts"], values, strict=True):
                 record["trained_reward"] = given  # `reward` stays what the rollout earned (eq. 4 / eq. 6)
@@ -627,8 +627,15 @@ class RoleSession:
         return record
 
 
+def shuffles_rewards(reward_control: str, role: str) -> bool:
+    """Whether `role`'s rewards are permuted under `grpo.reward_control`: 'shuffled' permutes the Solver's only
+    (the control then differs from the trained run in the Solver's reward information alone: same Challenger,
+    same Stage 1, same task pool), 'shuffled_both' both roles', 'none' neither."""
+    return reward_control == "shuffled_both" or (reward_control == "shuffled" and role == "solver")
+
+
 def control_seed(stage_seed: int, step: int, rank: int = 0) -> int:
-    """The seed of one step's reward permutation under `grpo.reward_control: shuffled` (per stage, step, rank)."""
+    """The seed of one step's reward permutation under `grpo.reward_control` (per stage, step, rank)."""
     return stage_seed * 1000 + step + 100_000 * rank
 
 
