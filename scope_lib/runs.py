@@ -500,7 +500,17 @@ class Stage:
         return (self.path / "DONE").exists()
 
     def records(self, name: str) -> RecordLog:
-        return RecordLog(self.path / f"{name}.jsonl")
+        """The stage's record log `name`.jsonl. In a finished stage a damaged record is an error naming its file and
+        line, not a line moved aside: later stages read these records, and dropping one would lose it silently
+        (e.g. a task of the pool). Deleting DONE, as the message says, redoes what the record held."""
+        path = self.path / f"{name}.jsonl"
+        if self.done and path.is_file():
+            _, damaged, torn = scan_jsonl(path, require_id=True)
+            if damaged or torn:
+                where = f"{path}:{damaged[0][0]}" if damaged else f"{path} (its last line is torn)"
+                raise RunError(f"{where}: a damaged record (not JSON, or the checksum does not match) in a finished "
+                               f"stage: delete {self.path / 'DONE'} to redo this stage")
+        return RecordLog(path)
 
     def mark_done(self, summary: dict[str, Any] | None = None, saved: str | os.PathLike | None = None) -> None:
         """Write the DONE sentinel; with `saved` (the stage's adapter/ or model/ folder) it records the sha256

@@ -304,6 +304,32 @@ def test_a_pool_record_damaged_in_the_middle_is_redone_and_the_pool_equals_the_o
         saved.rename(pool.path)
 
 
+def test_a_record_damaged_in_a_finished_stage_stops_the_run_then_is_redone(prepared):
+    """A finished stage's records are read by later stages (the Solver reads the pool's tasks): a record damaged
+    there into other valid JSON is an error naming file and line, never a task dropped in silence; deleting DONE,
+    as the error says, redoes it and the pool equals the original (issue 46, item 3)."""
+    from scope_lib.selfplay.loop import build_pool
+
+    _params, _policy, _engine, r = prepared
+    pool = r.stage(1, "pool")
+    tasks = pool.path / "tasks.jsonl"
+    original = sorted(read_jsonl(tasks), key=lambda x: x["id"])
+    saved = pool.path.parent / "pool-original"
+    shutil.copytree(pool.path, saved)
+    try:
+        _damage_line(tasks, 1, "shortened")
+        damaged = tasks.read_bytes()
+        with pytest.raises(RunError, match=rf"{re.escape(str(tasks))}:1: a damaged record .* delete .*DONE"):
+            pool.records("tasks")
+        assert tasks.read_bytes() == damaged and not tasks.with_name("tasks.jsonl.damaged").exists()  # untouched
+        (pool.path / "DONE").unlink()
+        build_pool(r, 1)
+        assert sorted(read_jsonl(tasks), key=lambda x: x["id"]) == original and pool.done
+    finally:
+        shutil.rmtree(pool.path)
+        saved.rename(pool.path)
+
+
 def test_a_pool_written_before_checksums_resumes_with_nothing_lost_or_duplicated(prepared):
     from scope_lib.selfplay.loop import build_pool
 
