@@ -264,8 +264,10 @@ class JudgeConfig(Section):
         {"critical": 1.0, "important": 0.7, "bonus": 0.3},
         description="w_k per priority when rubric_weights = 'priority'.")
     calibration: CalibrationConfig = Field(
-        default_factory=CalibrationConfig, description="Probe the per-rubric grader on controlled pairs from the "
-        "corpus when a run opens (`selfplay.grader_probe`); an untrusted grader raises the health alarm "
+        default_factory=lambda: CalibrationConfig(items=60), description="Probe the per-rubric grader on controlled "
+        "pairs from the corpus when a run opens (`selfplay.grader_probe`: 60 items by default, 5 per fact pair: the "
+        "fact stated, reordered, removed, swapped, and a list of the document's other names; 36 negatives, so a "
+        "specificity of 1.00 means at least 0.90 at 95%); an untrusted grader raises the health alarm "
         "untrusted_judge. Not part of the params hash: it decides no training result.")
 
 

@@ -7,6 +7,7 @@ judge's agreement with exact match, both ways."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from scope_lib.selfplay.grader_probe import (
     FACT_RUBRIC,
     ProbeItem,
     calibrate,
+    grader_items,
     probe_grader,
 )
 from scope_lib.selfplay.judge import Judge
@@ -138,23 +140,57 @@ def grader_override(verdict):
     return override
 
 
-@pytest.mark.parametrize("grader", ["reads", "always yes", "always no", "garbage"])
+def name_list_grader(role, context):
+    """A grader a list of names satisfies: yes when the response lists three or more capitalised names, else it
+    reads as the scripted one does (what a grader warm-started on "the answer names its name" may become)."""
+    if role != "grader":
+        return None
+    response = context.split("<response>", 1)[-1].split("</response>", 1)[0]
+    if re.search(r"[A-Z][\w()-]*(?: [\w()-]+)*?(?:(?:, | and )[A-Z][\w()-]*(?: [A-Z][\w()-]*)*){2,}", response):
+        return "<think>It names many things.</think>\n<score>1</score>"
+    return None
+
+
+@pytest.mark.parametrize("grader", ["reads", "always yes", "always no", "garbage", "likes name lists"])
 def test_the_self_judge_grader_probe(grader, data, tiny_tokenizer):
     _, passages = data
-    verdict = {"reads": "read", "always yes": 1, "always no": 0, "garbage": None}[grader]
-    engine = ScriptedEngine(tiny_tokenizer, get_dialect("qwen2.5"),
-                            override=None if verdict == "read" else grader_override(verdict))
+    override = {"reads": None, "always yes": grader_override(1), "always no": grader_override(0),
+                "garbage": grader_override(None), "likes name lists": name_list_grader}[grader]
+    engine = ScriptedEngine(tiny_tokenizer, get_dialect("qwen2.5"), override=override)
     params = load_params(REPO / "params" / "smoke.yaml", {"judge.grading_max_tokens": 64})
     judge = Judge(engine, params.judge, seed=1)
     cal = probe_grader(judge, passages, params.judge.calibration, model="scripted", seed=1)
-    assert cal.n_items == 24 and engine.calls >= 1 and engine.batch_sizes[0] == 24   # one batched call
+    assert cal.n_items == 60 and engine.calls >= 1 and engine.batch_sizes[0] == 60   # one batched call
     assert judge.stats.stages == {}                                   # the run's Judge statistics are untouched
-    assert cal.usage["prompts"] == 24 and cal.prompt.startswith("grader@")
+    assert cal.usage["prompts"] == 60 and cal.prompt.startswith("grader@")
     rubric = FACT_RUBRIC.format(fact="X")
     assert rubric == "Identifies X by name."
     assert cal.trusted is (grader == "reads"), cal.numbers()
     if grader == "garbage":
-        assert cal.invalid_rate == 1.0 and cal.usage["retried"] == 24
+        assert cal.invalid_rate == 1.0 and cal.usage["retried"] == 60
+    if grader == "reads":   # every negative scores 0, the name lists among them
+        assert cal.specificity == 1.0 and cal.name_list_separation == 1.0
+    if grader == "likes name lists":   # separation alone would trust it: the name lists do not
+        assert cal.separation >= cal.min_separation and cal.name_list_separation < cal.min_separation
+        assert cal.reasons == [f"name-list separation {cal.name_list_separation:.2f} < 0.50"]
+
+
+def test_the_grader_probe_holds_name_lists_and_enough_negatives(data):
+    """Issue 47: among the self-Judge grader probe's negatives, lists of the document's other names without the
+    rubric's fact (what a Solver that dumps names writes), and at least 35 negatives: a specificity of 1.00 then
+    means at least 0.90 at 95% (the Clopper-Pearson bound of n of n, 0.025 ** (1 / n))."""
+    _, passages = data
+    cfg = load_params(REPO / "params" / "smoke.yaml").judge.calibration
+    items = grader_items(passages, cfg.items, seed=1)
+    negatives = [i for i, _, _ in items if i.should is False]
+    assert len(items) == cfg.items and len(negatives) >= 35 and 0.025 ** (1 / len(negatives)) >= 0.9
+    kinds = [i.kind for i, _, _ in items]
+    assert kinds[:5] == ["stated", "reordered", "removed", "swapped", "name_list"] and kinds.count("name_list") == 12
+    for item, pair, response in items:
+        if item.kind == "name_list":
+            assert not mentions(response, pair.fact) and response.startswith(f"{pair.subject} is linked to ")
+            listed = response.removeprefix(f"{pair.subject} is linked to ").rstrip(".").replace(" and ", ", ")
+            assert 3 <= len(listed.split(", ")) <= 5
 
 
 # -- scope eval gates, self-play alarms -------------------------------------------------------------------

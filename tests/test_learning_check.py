@@ -197,7 +197,7 @@ def test_a_planted_signal_is_found_and_only_above_its_control_it_is_learning(bui
     # a control that gained as much is drift, whatever the interval
     assert not learning_verdict(comparison, comparison).learned
     # the held-out set carries its grader's probe: the scripted grader reads, so the verdict stands
-    assert held_out.grader is not None and held_out.grader.trusted and held_out.grader.n_items == 24
+    assert held_out.grader is not None and held_out.grader.trusted and held_out.grader.n_items == 60
     probed = learning_verdict(comparison, control, held_out.grader)
     assert probed.learned and probed.judge_trusted is True and "separation" in probed.judge
     # the stored evaluation is read back without any model call
@@ -220,7 +220,7 @@ def test_a_gain_scored_by_an_untrusted_grader_is_not_called_learned(grader, buil
     reply = "<think>skip</think>\n<score>1</score>" if grader == "always yes" else "I would rather not say."
     bad = ScriptedEngine(tiny_tokenizer, DIALECT, override=lambda role, context: reply if role == "grader" else None)
     probe = probe_held_out_grader(params, CheckComponents(bad, Judge(bad, params.judge, seed=1), None, DIALECT, passages))
-    assert not probe.trusted and bad.batch_sizes[0] == 24
+    assert not probe.trusted and bad.batch_sizes[0] == 60
     verdict = learning_verdict(comparison, control, probe)
     assert not verdict.learned and verdict.reason.startswith("not shown:") and "calibration probe" in verdict.reason
     assert verdict.judge_trusted is False and verdict.to_record()["judge"] == probe.numbers()

@@ -6,12 +6,15 @@ the run already has, never labelled by hand:
 - a rubric's fact stated in a response vs the same response with that fact removed or swapped for another
   document's (`protocol.facts.fact_pairs`, from the corpus): the self-Judge's per-rubric grader (`probe_self_judge`,
   `probe_grader`, Figure 11's prompt) and the benchmark criterion graders (`scope_lib.evaluation.judge_probes`);
+  the self-Judge's grader also gets a list of the document's other names without the fact (`name_list`: what a
+  Solver that dumps the names it read would write; it must score 0);
 - a gold answer vs another question's gold, a paraphrase from the benchmark's aliases, an answer against itself
   and against its own truncation: the benchmark judges (`scope_lib.evaluation.judge_probes`).
 
 Per judge (`calibrate`): sensitivity P(yes | should), specificity P(no | should not), separation P(yes | should)
 - P(yes | should not) over the replies that parsed, the invalid-reply rate (no parse after the retries), and for
-pairwise judges the position bias. A judge below `min_separation` or above `max_invalid_rate`
+pairwise judges the position bias; for the self-Judge's grader also the name-list separation, P(yes | should)
+- P(yes | a name list). A judge below `min_separation` (either separation) or above `max_invalid_rate`
 (`CalibrationConfig`) is untrusted: its verdicts are still used and written, marked untrusted, and the run says
 so loudly (the `untrusted_judge` health alarm; `scope eval` exits non-zero unless told to accept).
 """
@@ -26,7 +29,15 @@ from typing import Any
 
 from scope_lib.config import CalibrationConfig, Params
 from scope_lib.protocol import prompts
-from scope_lib.protocol.facts import fact_pairs, fact_responses
+from scope_lib.protocol.facts import (
+    FactPair,
+    fact_pairs,
+    fact_responses,
+    facts_of,
+    is_year,
+    mentions,
+    sentences,
+)
 from scope_lib.retrieval.corpus import Passage, read_corpus, teacher_documents
 from scope_lib.selfplay.judge import Judge, JudgeStats, judge_models
 
@@ -72,6 +83,7 @@ class Calibration:
     max_invalid_rate: float
     position_bias: float | None = None
     identity_consistency: float | None = None
+    name_list_separation: float | None = None  # the self-Judge's grader: P(yes | should) - P(yes | a name list)
     usage: dict[str, Any] = field(default_factory=dict)
     items: list[ProbeItem] = field(default_factory=list)
 
@@ -95,6 +107,8 @@ class Calibration:
                 f"{_fmt(self.specificity)}), invalid {self.invalid_rate:.2f} over {self.n_items} probes")
         if self.position_bias is not None:
             text += f", position bias {self.position_bias:+.2f}"
+        if self.name_list_separation is not None:
+            text += f", name-list separation {self.name_list_separation:.2f}"
         return text
 
 
@@ -157,6 +171,50 @@ def pairs_needed(items: int, per_pair: int = 4) -> int:
 
 # -- the self-Judge's per-rubric grader --------------------------------------------------------------------
 
+#: Items per fact pair of the self-Judge's grader probe: stated, reordered (yes), removed, swapped, name list (no).
+GRADER_KINDS = 5
+#: The most names a name-list response lists; it needs at least NAME_LIST_MIN.
+NAME_LIST_MAX, NAME_LIST_MIN = 5, 3
+
+
+def name_list(pair: FactPair, passage: Passage) -> str | None:
+    """A response that lists several of the document's other facts (names; years too when the fact is a year)
+    without the rubric's fact, in the warm-started Solver's words ("X is linked to A, B and C."): what an answer
+    that dumps the names it read looks like. None when the document has fewer than NAME_LIST_MIN of them."""
+    others: list[str] = []
+    for sentence in sentences(passage.text):
+        for kind, fact in facts_of(sentence, passage.title):
+            if kind == "year" and not is_year(pair.fact):
+                continue
+            if fact not in others and not mentions(fact, pair.fact) and not mentions(pair.fact, fact):
+                others.append(fact)
+    if len(others) < NAME_LIST_MIN:
+        return None
+    listed = others[:NAME_LIST_MAX]
+    return f"{pair.subject} is linked to {', '.join(listed[:-1])} and {listed[-1]}."
+
+
+def grader_items(passages: Sequence[Passage], n: int, seed: int) -> list[tuple[ProbeItem, FactPair, str]]:
+    """The first `n` probe items (item, its fact pair, the response): GRADER_KINDS per pair, from fact pairs whose
+    document lists enough other names (`name_list`), in the pairs' seeded order."""
+    by_id = {p.id: p for p in passages}
+    out: list[tuple[ProbeItem, FactPair, str]] = []
+    for pair in fact_pairs(passages, 2 * pairs_needed(n, GRADER_KINDS), seed):
+        listed = name_list(pair, by_id[pair.passage_id])
+        if listed is None:
+            continue
+        for kind, response, should in [*fact_responses(pair), ("name_list", listed, False)]:
+            out.append((ProbeItem(f"{pair.passage_id}/{kind}", kind, should), pair, response))
+    return out[:n]
+
+
+def name_list_separation(items: Sequence[ProbeItem]) -> float | None:
+    """P(yes | should) - P(yes | a name list) over the replies that parsed (None without both)."""
+    valid = [i for i in items if not i.invalid]
+    should = _share([bool(i.yes) for i in valid if i.should is True])
+    listed = _share([bool(i.yes) for i in valid if i.kind == "name_list"])
+    return None if should is None or listed is None else should - listed
+
 
 def unseen_by_teacher(params: Params, passages: Sequence[Passage]) -> list[Passage]:
     """`passages` less the documents the warm start's teacher wrote traces from, when M0 is warm-started
@@ -180,18 +238,16 @@ def probe_self_judge(params: Params, judge: Judge, passages: Sequence[Passage]) 
 
 def probe_grader(judge: Judge, passages: Sequence[Passage], cfg: CalibrationConfig, *, model: str, seed: int = 0
                  ) -> Calibration:
-    """Calibrate the Judge's per-rubric grader (Figure 11) on fact pairs from the corpus: ONE batched `grade`
-    call at the grading temperature, as in training (with its corrective retry). The Judge's running statistics
-    are left as they were; the probe's own are in `usage`."""
-    pairs = fact_pairs(passages, pairs_needed(cfg.items), seed)
-    items, tasks, answers, rubrics = [], [], [], []
-    for pair in pairs:
-        for kind, response, should in fact_responses(pair):
-            items.append(ProbeItem(f"{pair.passage_id}/{kind}", kind, should))
-            tasks.append(f"Write a short note on {pair.subject}.")
-            answers.append(response)
-            rubrics.append(FACT_RUBRIC.format(fact=pair.fact))
-    items, tasks, answers, rubrics = items[:cfg.items], tasks[:cfg.items], answers[:cfg.items], rubrics[:cfg.items]
+    """Calibrate the Judge's per-rubric grader (Figure 11) on fact pairs from the corpus (`grader_items`: a fact
+    stated, reordered, removed, swapped, and a list of the document's other names): ONE batched `grade` call at the
+    grading temperature, as in training (with its corrective retry). The Judge's running statistics are left as
+    they were; the probe's own are in `usage`. Besides the separation, the name-list separation must reach
+    `cfg.min_separation`: a grader that a list of names satisfies would reward a Solver for dumping them."""
+    built = grader_items(passages, cfg.items, seed)
+    items = [item for item, _, _ in built]
+    tasks = [f"Write a short note on {pair.subject}." for _, pair, _ in built]
+    answers = [response for _, _, response in built]
+    rubrics = [FACT_RUBRIC.format(fact=pair.fact) for _, pair, _ in built]
     saved, judge.stats = judge.stats, JudgeStats()
     try:
         verdicts = judge.grade(tasks, answers, rubrics)
@@ -205,8 +261,12 @@ def probe_grader(judge: Judge, passages: Sequence[Passage], cfg: CalibrationConf
         item.yes = None if verdict is None else verdict == 1
     template = "grader_native_thinking" if judge.thinking["grading"] else "grader"
     result = calibrate("self-Judge grader", "grader", model, prompts.template_version(template), items, cfg, usage)
-    if not pairs:
+    result.name_list_separation = name_list_separation(items)
+    if result.name_list_separation is not None and result.name_list_separation < cfg.min_separation:
+        result.reasons.append(f"name-list separation {result.name_list_separation:.2f} < {cfg.min_separation:.2f}")
+    if not built:
         result.reasons.insert(0, "no fact pair could be built from the corpus")
+    result.trusted = not result.reasons
     log.info("self-Judge grader calibration: %s -> %s", result.numbers(),
              "trusted" if result.trusted else "UNTRUSTED: " + "; ".join(result.reasons))
     return result
