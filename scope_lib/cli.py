@@ -310,6 +310,34 @@ def cmd_check_evaluate(args) -> int:
     return 0
 
 
+def _judge_free_lines(check) -> list[str]:
+    """`compare`'s table of the judge-free measures: per checkpoint, the gain over `before` and the control's, and
+    trained - control, each with its paired 95% interval and the tasks it is paired over."""
+    from scope_lib.evaluation.judge_free import LABELS, MEASURES
+
+    jf = check.judge_free
+    if jf is None:
+        return []
+
+    def mean(role: str, m: str) -> str:
+        value = jf.mean(role, m) if role in jf.values else None
+        return "-" if value is None else f"{value:.3f}"
+
+    def gain(name: str, m: str) -> str:
+        c = jf.comparisons.get(name, {}).get(m)
+        return "-" if c is None else f"{c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}] n={c.n_tasks}"
+
+    span = "-" if jf.length_range is None else f"{jf.length_range[0]:g}-{jf.length_range[1]:g}"
+    lines = [f"judge-free measures, read from the stored answers without the grader (M0's answer lengths: {span} "
+             "tokens; docs/training.md):",
+             f"{'measure':<30} {'before':>7} {'after':>7} {'control':>7}  {'gain [95% CI]':<30} "
+             f"{'control gain [95% CI]':<30} trained - control [95% CI]"]
+    for m in MEASURES:
+        lines.append(f"{LABELS[m]:<30} {mean('before', m):>7} {mean('after', m):>7} {mean('control', m):>7}  "
+                     f"{gain('trained', m):<30} {gain('control', m):<30} {gain('over_control', m)}")
+    return lines
+
+
 def cmd_check_compare(args) -> int:
     from scope_lib.evaluation.learning_check import run_check
 
@@ -327,6 +355,8 @@ def cmd_check_compare(args) -> int:
     if check.over_control is not None:
         c = check.over_control
         print(f"trained - control, paired over the {c.n_tasks} tasks: {c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}]")
+    for line in _judge_free_lines(check):
+        print(line)
     if check.held_out.grader is not None:
         g = check.held_out.grader
         print(f"judge: the frozen grader's calibration probe: {g.numbers()} -> {'trusted' if g.trusted else 'UNTRUSTED'}")

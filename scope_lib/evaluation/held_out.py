@@ -4,12 +4,14 @@
     held_out.tasks, held_out.window, held_out.grader
 
 The last `learning_check.held_out_documents` documents of the run's document permutation
-(`retrieval.corpus.held_out_documents`), which training never samples (`retrieval.corpus.training_documents`). M0's
+(`retrieval.corpus.held_out_documents`), which training never samples (`retrieval.corpus.training_documents`), less
+the documents a warm-started M0's teacher wrote traces from (`held_out_candidates`: M0 may have memorised them). M0's
 Challenger (adapters off: the iteration-0 Challenger) writes one task per document, batch by batch, through the
 task pool's batch step (`selfplay.tasks.candidate_batch`): the frozen Judge gates it and writes its rubrics; K
 rollouts of M0's Solver at the training sampling, graded by the Judge, give M0's mean rubric score ḡ; tasks with ḡ
-in the difficulty window widened by `window_margin` are kept, one per document, until `learning_check.tasks`. Built
-once per (M0, corpus bytes, every parameter that shapes a task or its score) under $SCOPE_CACHE_DIR/heldout/ (or
+in the difficulty window widened by `window_margin` are kept, one per document, until `learning_check.tasks`, each
+with its source document's text (the learning check's judge-free measures read it). Built once per (M0's weights,
+corpus bytes, every parameter that shapes a task or its score) under $SCOPE_CACHE_DIR/heldout/ (or
 ~/.cache/scope/heldout/), resumed batch by batch like the task pool (`runs.finished_chunks`), reused by every run
 and checkpoint of that configuration.
 
@@ -27,7 +29,7 @@ import math
 import re
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +41,15 @@ from scope_lib.protocol.dialects import Dialect, get_dialect
 from scope_lib.retrieval.corpus import held_out_documents, read_corpus, training_documents
 from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
 from scope_lib.runs import RunError, Stage, atomic_write_json, finished_chunks, read_json
-from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge
+from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge, unseen_by_teacher
 from scope_lib.selfplay.judge import Judge, make_judge
 from scope_lib.selfplay.tasks import TaskEvaluation, candidate_batch, filter_tasks
 
 log = logging.getLogger(__name__)
 
 #: Bump when what a held-out task is changes in code (not in params or prompts): every cached set is rebuilt.
-HELD_OUT_VERSION = 1
+#: 2: teacher documents left out, source documents stored, the grader probe's name-list negatives (issue 47).
+HELD_OUT_VERSION = 2
 
 
 def seed_of(*parts: Any) -> int:
@@ -67,6 +70,8 @@ class HeldOutSet:
     tasks: list[TaskEvaluation]
     summary: dict[str, Any]
     grader: Calibration | None = None  # the frozen Judge's grader probe (`grader_probe`), None until it ran
+    documents: dict[str, str] = field(default_factory=dict)  # document id -> its text (title and passage)
+    model: str = ""  # M0's identity (`model_identity`): what M0's own evaluation is keyed by
 
     @property
     def window(self) -> tuple[float, float]:
@@ -84,17 +89,39 @@ def screen_window(params: Params) -> tuple[float, float]:
 
 def model_identity(params: Params) -> str:
     """M0 as the cache key sees it: its name, and for a local folder (the tiny, warm-started and `pypi:` models
-    live in folders named by their own cache keys) the folder's name, its config.json and its weight files' sizes.
-    Call `smoke.warm_start.prepare(params)` first for a warm-started M0 (the `scope` commands and notebooks do)."""
+    live in folders named by their own cache keys) the folder's name and the sha256 of its config.json and of each
+    weight file's bytes (`file_sha256`), so an M0 rebuilt in place with other weights is another M0. A hub id
+    stays its name (its weights are the hub's). Call `smoke.warm_start.prepare(params)` first for a warm-started
+    M0 (the `scope` commands and notebooks do)."""
     source = Path(model_source(params))
     if not source.is_dir():
         return params.model.base
     digest = hashlib.sha256()
-    if (source / "config.json").is_file():
-        digest.update((source / "config.json").read_bytes())
-    for weights in sorted(source.glob("*.safetensors")) + sorted(source.glob("*.bin")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    files = [source / "config.json"] + sorted(source.glob("*.safetensors")) + sorted(source.glob("*.bin"))
+    for file in (f for f in files if f.is_file()):
+        digest.update(f"{file.name}:{file_sha256(file)}\n".encode())
     return f"{params.model.base}|{source.name}|{digest.hexdigest()[:16]}"
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read once and cached under the `digests` cache folder by (absolute path, size,
+    mtime in ns): a 7B model's 15 GB are read once, then each check costs one stat per file. A
+    file rewritten in place gets a new mtime, so it is read again."""
+    stat = path.stat()
+    resolved = str(path.resolve())
+    stamp = {"path": resolved, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    record = cache_dir("digests") / f"{hashlib.sha256(resolved.encode()).hexdigest()[:24]}.json"
+    if record.is_file():
+        try:
+            cached = json.loads(record.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = {}
+        if {k: cached.get(k) for k in stamp} == stamp and cached.get("sha256"):
+            return cached["sha256"]
+    with open(path, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    atomic_write_json(record, {**stamp, "sha256": sha})
+    return sha
 
 
 _RETRIEVAL_OPERATIONAL = {"corpus_url", "corpus_sha256", "fetch_max_passages", "index_dir", "memory_budget_gb",
@@ -256,12 +283,24 @@ def load_held_out(folder: str | Path, params: Params) -> HeldOutSet:
     if not summary:
         raise RunError(f"{folder} holds no finished held-out set (no DONE): build it with `scope learning-check "
                        "build PARAMS`")
-    tasks = [TaskEvaluation.from_record(rec) for rec in stage.records("tasks")][:params.learning_check.tasks]
+    records = list(stage.records("tasks"))[:params.learning_check.tasks]
+    tasks = [TaskEvaluation.from_record(rec) for rec in records]
     probe = Path(folder) / GRADER_PROBE
     grader = Calibration.from_record(read_json(probe, "delete it; the next check probes the grader again")) \
         if probe.is_file() else None
+    fingerprint = Path(folder) / "fingerprint.json"
+    model = read_json(fingerprint, "delete the folder; it is built again").get("model", "") \
+        if fingerprint.is_file() else ""
     return HeldOutSet(Path(folder), summary["key"], tasks, {**summary, "built": summary["tasks"], "tasks": len(tasks)},
-                      grader)
+                      grader, {rec["document_id"]: rec["document"] for rec in records if "document" in rec}, model)
+
+
+def held_out_candidates(params: Params, passages: list) -> list:
+    """The documents the held-out set's tasks are written on: the reserved tail of the run's permutation
+    (`retrieval.corpus.held_out_documents`) less every document a warm-started M0's teacher wrote traces from
+    (`selfplay.grader_probe.unseen_by_teacher`), in the tail's order."""
+    reserved = held_out_documents(passages, params.learning_check.held_out_documents, params.selfplay.seed)
+    return unseen_by_teacher(params, reserved)
 
 
 def success_rate(scores: list[float], threshold: float) -> float:
@@ -281,7 +320,8 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
     candidates.retain(lambda rec: rec["chunk"] in finished)  # a batch a kill left half-written is redone
     tasks.retain(lambda rec: rec["chunk"] in finished)
     kept_per_batch = Counter(rec["chunk"] for rec in tasks)
-    reserved = held_out_documents(passages, lc.held_out_documents, sp.seed)
+    reserved = held_out_candidates(params, passages)
+    contents = {p.id: p.contents for p in reserved}
     n_batches = math.ceil(len(reserved) / lc.batch_size)
     window = screen_window(params)
     bar = tqdm(total=lc.tasks, initial=min(lc.tasks, sum(kept_per_batch.values())), desc="held-out tasks",
@@ -309,7 +349,7 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
         candidates.append({"id": e.challenger_id, "chunk": k, "kept": e.challenger_id in kept_ids,
                            "evaluation": e.to_record(), "trajectory": by_id[e.challenger_id].to_record()}
                           for e in evals)
-        tasks.append({**e.to_record(), "id": e.challenger_id, "chunk": k,
+        tasks.append({**e.to_record(), "id": e.challenger_id, "chunk": k, "document": contents[e.document_id],
                       "m0_success_rate": success_rate(e.solver_scores, lc.success_threshold)} for e in kept)
         chunks.append([{"id": f"chunk-{k:04d}", "chunk": k, "candidates": len(evals), "kept": len(kept),
                         "with_task": sum(e.task is not None for e in evals),
@@ -329,7 +369,8 @@ def _build(params: Params, stage: Stage, c: CheckComponents, key: str, progress:
     lo, hi = sp.difficulty_window
     summary = {"key": key, "tasks": len(kept_records), "asked": lc.tasks, "candidates": len(candidates),
                "batches": len(markers), "documents": sum(m["candidates"] for m in markers),
-               "held_out_documents": lc.held_out_documents, "window": list(window),
+               "held_out_documents": lc.held_out_documents, "teacher_documents_left_out":
+               lc.held_out_documents - len(reserved), "window": list(window),
                "difficulty_window": [lo, hi], "in_difficulty_window": sum(lo <= g <= hi for g in scores),
                "m0_mean_score": sum(scores) / len(scores) if scores else None, "samples": lc.samples,
                "judge_unparseable": sum(m.get("judge_unparseable", 0) for m in markers), "stopped": stopped}

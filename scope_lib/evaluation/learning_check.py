@@ -15,15 +15,17 @@ own: rewards that carry no information move metrics too ("Spurious Rewards", arX
    success rate (the share of rollouts with g >= `success_threshold`). Every checkpoint uses the same seeds (paired
    samples), never the pre-screen's; results are stored per (checkpoint weights, seed) beside the set.
 3. **Comparing** (`compare_evaluations`, `learning_verdict`): per-task differences after − before, their mean (the
-   gain) and a 95% percentile interval from resampling the tasks with replacement (seeded). A run *learned* only
-   when the interval's lower bound is above 0 AND its gain is above the shuffled-reward control's
-   (`grpo.reward_control: shuffled`: the same steps on permuted rewards); gain / control gain is reported (the
-   issue's target: at least 2), and so is the trained checkpoint against the control's, paired over the tasks
-   (`LearningCheck.over_control`: whether the two runs can be told apart at all).
-4. **The Judge that scores it**: a check is only as good as its grader. A gain scored by a grader that failed the
-   held-out set's probe (separation or invalid rate past `judge.calibration`'s thresholds) is "not shown" unless
-   `learning_check.accept_untrusted_judge` says so; the verdict names the probe's numbers either way. The verdict
-   is one of VERDICTS, the words docs/training.md uses.
+   gain) and a 95% percentile interval from resampling the tasks with replacement (seeded). The same paired
+   comparison is made of the trained checkpoint against the shuffled-reward control's (`grpo.reward_control`;
+   `LearningCheck.over_control`), and of every judge-free measure (`evaluation.judge_free`: answered rate, answer
+   length, names per answer, rubric-fact recall, name precision, the rubric score at M0's lengths; `JudgeFree`),
+   read from the stored answers without the grader the Solver trained against.
+4. **The verdict** (`learning_verdict`, one of VERDICTS, the words docs/training.md uses): *learned* only when the
+   gain's interval lies above 0, the trained − control interval lies above 0, rubric-fact recall's gain interval
+   lies above 0 and name precision's does not lie below 0, and the grader passed its probe. A check is only as good
+   as its grader: one that failed the held-out set's probe (separation, name-list separation or invalid rate past
+   `judge.calibration`'s thresholds) or was never probed makes the verdict "not shown" unless
+   `learning_check.accept_untrusted_judge` accepts a failed probe; the verdict names the probe's numbers either way.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from scope_lib.evaluation.held_out import (
     seed_of,
     success_rate,
 )
+from scope_lib.evaluation.judge_free import LABELS, MEASURES, length_range, task_measures
 from scope_lib.models.engine import Engine
 from scope_lib.models.loading import make_engine
 from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_json
@@ -74,6 +77,7 @@ class TaskResult:
     document_id: str
     scores: list[float]
     answered: int = 0   # rollouts that ended with an answer (the rest score 0, F.2)
+    answers: list[str | None] = field(default_factory=list)  # each rollout's answer text (None: no answer)
 
     @property
     def mean_score(self) -> float:
@@ -112,12 +116,14 @@ class CheckpointEvaluation:
         return sum(values.values()) / len(values) if values else 0.0
 
 
-def checkpoint_fingerprint(ck: Checkpoint) -> str:
-    """A digest of a checkpoint's weights ('base' for M0): the checksums its stage's DONE recorded when there are
-    any, else the files themselves."""
-    if ck.path is None:
-        return ck.name
+def checkpoint_fingerprint(ck: Checkpoint, m0: str = "") -> str:
+    """A digest of a checkpoint's weights: the checksums its stage's DONE recorded when there are any, else the
+    files themselves; for M0 (no folder of its own) the digest of its name and `m0`, M0's identity
+    (`held_out.model_identity`: its weight files' sha256), so an M0 rebuilt with other weights is evaluated again."""
     digest = hashlib.sha256()
+    if ck.path is None:
+        digest.update(f"{ck.name}\0{m0}".encode())
+        return digest.hexdigest()
     recorded = Stage(ck.path.parent).summary.get("checksums") if (ck.path.parent / "DONE").is_file() else None
     if recorded:
         for name, value in sorted(recorded.items()):
@@ -130,11 +136,12 @@ def checkpoint_fingerprint(ck: Checkpoint) -> str:
 
 def evaluation_path(held_out: HeldOutSet, ck: Checkpoint, seed: int) -> Path:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", ck.name).strip("-.") or "checkpoint"
-    return held_out.path / "evaluations" / f"{slug}-{checkpoint_fingerprint(ck)[:12]}-seed{seed}.jsonl"
+    return held_out.path / "evaluations" / f"{slug}-{checkpoint_fingerprint(ck, held_out.model)[:12]}-seed{seed}.jsonl"
 
 
 def _result(rec: dict[str, Any]) -> TaskResult:
-    return TaskResult(rec["id"], rec["document_id"], [float(g) for g in rec["scores"]], rec.get("answered", 0))
+    return TaskResult(rec["id"], rec["document_id"], [float(g) for g in rec["scores"]], rec.get("answered", 0),
+                      [r.get("answer") for r in rec.get("rollouts", [])])
 
 
 def stored_evaluation(params: Params, held_out: HeldOutSet, ck: Checkpoint, seed: int | None = None
@@ -147,7 +154,7 @@ def stored_evaluation(params: Params, held_out: HeldOutSet, ck: Checkpoint, seed
     by_id = {rec["id"]: rec for rec in RecordLog(path)}
     if any(t.challenger_id not in by_id for t in held_out.tasks):
         return None
-    return CheckpointEvaluation(ck.name, ck.spec, checkpoint_fingerprint(ck), seed, held_out.key,
+    return CheckpointEvaluation(ck.name, ck.spec, checkpoint_fingerprint(ck, held_out.model), seed, held_out.key,
                                 params.learning_check.success_threshold,
                                 [_result(by_id[t.challenger_id]) for t in held_out.tasks])
 
@@ -261,6 +268,19 @@ class Comparison:
                              for t, b, a in zip(self.task_ids, self.values_before, self.values_after, strict=True)]}
 
 
+def compare_values(before: str, after: str, metric: str, values_before: dict[str, float | None],
+                   values_after: dict[str, float | None], *, n_samples: int = 2000, seed: int = 0
+                   ) -> Comparison | None:
+    """The paired comparison of two checkpoints' per-task values (in `values_before`'s order) over the tasks where
+    both have one (a judge-free measure can be undefined on a task); None when fewer than 2 tasks have."""
+    ids = [t for t, v in values_before.items() if v is not None and values_after.get(t) is not None]
+    if len(ids) < 2:
+        return None
+    vb, va = [float(values_before[t]) for t in ids], [float(values_after[t]) for t in ids]  # type: ignore[arg-type]
+    differences = [a - b for a, b in zip(va, vb, strict=True)]
+    return Comparison(before, after, metric, ids, vb, va, paired_bootstrap(differences, n_samples, seed))
+
+
 def compare_evaluations(before: CheckpointEvaluation, after: CheckpointEvaluation, *, metric: str = "score",
                         n_samples: int = 2000, seed: int = 0) -> Comparison:
     """The paired comparison of two evaluations of the same held-out set (module docstring, 3)."""
@@ -270,18 +290,85 @@ def compare_evaluations(before: CheckpointEvaluation, after: CheckpointEvaluatio
     a, b = after.values(metric), before.values(metric)
     if set(a) != set(b):
         raise ValueError(f"{before.checkpoint} and {after.checkpoint} cover different tasks ({len(b)} vs {len(a)})")
-    ids = [r.task_id for r in before.results]
-    values_before, values_after = [b[t] for t in ids], [a[t] for t in ids]
-    differences = [x - y for x, y in zip(values_after, values_before, strict=True)]
-    return Comparison(before.checkpoint, after.checkpoint, metric, ids, values_before, values_after,
-                      paired_bootstrap(differences, n_samples, seed))
+    compared = compare_values(before.checkpoint, after.checkpoint, metric, {r.task_id: b[r.task_id]
+                              for r in before.results}, a, n_samples=n_samples, seed=seed)
+    if compared is None:
+        raise ValueError(f"a paired interval needs at least 2 tasks, got {len(b)}: enlarge the held-out set "
+                         "(learning_check.held_out_documents, window_margin)")
+    return compared
+
+
+def over_control_of(trained: Comparison, control: Comparison, *, n_samples: int = 2000, seed: int = 0
+                    ) -> Comparison | None:
+    """The trained checkpoint against the control's, paired over the tasks both comparisons share with `before`
+    (None when fewer than 2 do)."""
+    values_control = dict(zip(control.task_ids, control.values_after, strict=True))
+    values_trained = dict(zip(trained.task_ids, trained.values_after, strict=True))
+    return compare_values(control.after, trained.after, trained.metric, values_control, values_trained,
+                          n_samples=n_samples, seed=seed)
+
+
+# -- the judge-free measures of a check ---------------------------------------------------------------------------
+
+
+@dataclass
+class JudgeFree:
+    """The judge-free measures (`evaluation.judge_free`) of one check, read from the stored answers: per role
+    ('before', 'after', 'control') each measure's per-task values, and per comparison ('trained': after vs before,
+    'control': control vs before, 'over_control': after vs control) each measure's paired Comparison, None where
+    fewer than 2 tasks have a value on both sides."""
+
+    length_range: tuple[float, float] | None  # M0's (`before`'s) answer lengths, 5th to 95th percentile
+    values: dict[str, dict[str, dict[str, float | None]]]
+    comparisons: dict[str, dict[str, Comparison | None]]
+
+    def mean(self, role: str, measure: str) -> float | None:
+        """The measure's mean over the tasks where `role`'s checkpoint has a value."""
+        kept = [v for v in self.values[role][measure].values() if v is not None]
+        return sum(kept) / len(kept) if kept else None
+
+    def to_record(self) -> dict[str, Any]:
+        return {"length_range": list(self.length_range) if self.length_range else None,
+                "means": {role: {m: self.mean(role, m) for m in MEASURES} for role in self.values},
+                "comparisons": {name: {m: c.to_record() if c else None for m, c in by.items()}
+                                for name, by in self.comparisons.items()}}
+
+
+def evaluation_measures(ev: CheckpointEvaluation, held_out: HeldOutSet, lengths: tuple[float, float] | None
+                        ) -> dict[str, dict[str, float | None]]:
+    """Every judge-free measure of one checkpoint's evaluation: measure -> task id -> the task's value."""
+    tasks = {t.challenger_id: t for t in held_out.tasks}
+    out: dict[str, dict[str, float | None]] = {m: {} for m in MEASURES}
+    for r in ev.results:
+        task = tasks[r.task_id]
+        answers = r.answers if len(r.answers) == len(r.scores) else []
+        values = task_measures(answers, r.scores[:len(answers)], [x.text for x in task.rubrics or []],
+                               held_out.documents.get(r.document_id), lengths)
+        for m in MEASURES:
+            out[m][r.task_id] = values[m]
+    return out
+
+
+def judge_free_measures(held_out: HeldOutSet, evaluations: dict[str, CheckpointEvaluation], *,
+                        n_samples: int = 2000, seed: int = 0) -> JudgeFree:
+    """The judge-free measures of a check's evaluations, each compared as the rubric score is (same bootstrap)."""
+    lengths = length_range([a for r in evaluations["before"].results for a in r.answers])
+    values = {role: evaluation_measures(ev, held_out, lengths) for role, ev in evaluations.items()}
+    pairs = {"trained": ("before", "after"), "control": ("before", "control"), "over_control": ("control", "after")}
+    comparisons = {name: {m: compare_values(evaluations[b].checkpoint, evaluations[a].checkpoint, m, values[b][m],
+                                            values[a][m], n_samples=n_samples, seed=seed) for m in MEASURES}
+                   for name, (b, a) in pairs.items() if a in values and b in values}
+    return JudgeFree(lengths, values, comparisons)
+
+
+# -- the verdict ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Verdict:
-    """Whether a run learned: the trained gain's interval above 0 and the gain above the control's."""
+    """Whether a run learned (`learning_verdict`): the gain, trained − control, the judge-free guards, the grader."""
 
-    outcome: str  # one of VERDICTS: learned, not learned, or not shown (no control, or an untrusted grader)
+    outcome: str  # one of VERDICTS: learned, not learned, or not shown
     reason: str  # the outcome, then why, in one sentence
     gain: float
     ci95: tuple[float, float]
@@ -290,6 +377,9 @@ class Verdict:
     ratio: float | None = None  # gain / control gain (inf when the control did not gain; None without a control)
     judge_trusted: bool | None = None  # the grader probe's verdict (None: not probed)
     judge: str | None = None  # the probe's numbers in one phrase
+    over_control: float | None = None  # trained − control, paired over the tasks
+    over_control_ci95: tuple[float, float] | None = None
+    judge_free: list[str] = field(default_factory=list)  # each judge-free measure's gain, one phrase each
 
     def __post_init__(self) -> None:
         if self.outcome not in VERDICTS:
@@ -304,61 +394,121 @@ class Verdict:
         """Learned, with a gain at least TARGET_RATIO times the control's (the issue's bar)."""
         return self.learned and self.ratio is not None and self.ratio >= TARGET_RATIO
 
+    def restate(self, outcome: str, addition: str) -> None:
+        """Change the outcome to `outcome` and add why to the reason (which keeps what it said)."""
+        if ", but " in self.reason and addition.startswith("but "):
+            addition = "and " + addition.removeprefix("but ")
+        self.outcome = outcome
+        self.reason = f"{outcome}: {self.reason.split(': ', 1)[1]}, {addition}"
+
     def to_record(self) -> dict[str, Any]:
         ratio = self.ratio if self.ratio is None or math.isfinite(self.ratio) else "inf"
-        return {"learned": self.learned, "outcome": self.outcome, "meets_target": self.meets_target, "target_ratio": TARGET_RATIO,
-                "reason": self.reason, "gain": self.gain, "ci95": list(self.ci95), "control_gain": self.control_gain,
+        return {"learned": self.learned, "outcome": self.outcome, "meets_target": self.meets_target,
+                "target_ratio": TARGET_RATIO, "reason": self.reason, "gain": self.gain, "ci95": list(self.ci95),
+                "control_gain": self.control_gain,
                 "control_ci95": list(self.control_ci95) if self.control_ci95 else None, "ratio": ratio,
-                "judge_trusted": self.judge_trusted, "judge": self.judge}
+                "over_control": self.over_control,
+                "over_control_ci95": list(self.over_control_ci95) if self.over_control_ci95 else None,
+                "judge_trusted": self.judge_trusted, "judge": self.judge, "judge_free": self.judge_free}
+
+
+def _interval(c: Comparison) -> str:
+    return f"{c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}]"
 
 
 def learning_verdict(trained: Comparison, control: Comparison | None = None, grader: Calibration | None = None,
-                     accept_untrusted_judge: bool = False) -> Verdict:
-    """The verdict rule: learned only when the trained comparison's 95% lower bound is above 0 AND its gain is
-    above the shuffled-reward control's gain (over the same `before`) AND the grader that scored both passed its
-    calibration probe (`grader`; an untrusted one only with `accept_untrusted_judge`, and the reason says so).
-    Scores of an untrusted grader show nothing either way: its verdict is "not shown", whatever the interval."""
-    verdict = _gain_verdict(trained, control)
-    if grader is None:
-        return verdict
-    verdict.judge_trusted, verdict.judge = grader.trusted, grader.numbers()
-    if grader.trusted:
-        return verdict
-    why = f"the frozen Judge's grader failed its calibration probe ({'; '.join(grader.reasons)}: {grader.numbers()})"
-    if not accept_untrusted_judge:
-        verdict.outcome = "not shown"
-        verdict.reason = (f"not shown: {verdict.reason.split(': ', 1)[1]}, but {why}, so its scores may not "
-                          "follow the rubrics; fix the Judge (docs/evaluation.md, Judge calibration) or accept it "
-                          "with learning_check.accept_untrusted_judge (--accept-untrusted-judge)")
-    else:
-        verdict.reason += f" [{why}{', accepted' if verdict.learned else ''}]"
+                     accept_untrusted_judge: bool = False, *, over_control: Comparison | None = None,
+                     judge_free: JudgeFree | None = None) -> Verdict:
+    """The verdict rule (docs/training.md, "The learning check"): learned only when the trained comparison's 95%
+    interval lies above 0, AND the trained checkpoint's interval against the shuffled-reward control's, paired
+    over the tasks (`over_control`; derived from the two comparisons when not given), lies above 0, AND, read
+    without the grader (`judge_free`), rubric-fact recall's gain interval lies above 0 and name precision's does not
+    lie below 0, AND the grader that scored it passed its calibration probe (`grader`). No control, no judge-free
+    measures, or no probe: "not shown". A failed probe: "not shown" whatever the interval, unless
+    `accept_untrusted_judge` (the reason says so)."""
+    if control is not None and over_control is None:
+        over_control = over_control_of(trained, control)
+    verdict = _gain_verdict(trained, control, over_control)
+    _judge_free_gate(verdict, judge_free)
+    _grader_gate(verdict, grader, accept_untrusted_judge)
     return verdict
 
 
-def _gain_verdict(trained: Comparison, control: Comparison | None) -> Verdict:
+def _gain_verdict(trained: Comparison, control: Comparison | None, over: Comparison | None) -> Verdict:
     lo, hi = trained.ci95
     gain = trained.gain
     ratio = None
     if control is not None and gain > 0:
         ratio = gain / control.gain if control.gain > 0 else math.inf
     common = {"gain": gain, "ci95": (lo, hi), "ratio": ratio,
-              "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None}
-    interval = f"[{lo:+.3f}, {hi:+.3f}]"
+              "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None,
+              "over_control": over.gain if over else None, "over_control_ci95": over.ci95 if over else None}
     if lo <= 0:
-        return Verdict("not learned", f"not learned: the gain {gain:+.3f} has a 95% interval {interval} over "
-                       f"{trained.n_tasks} tasks that does not lie above 0 (no gain that can be told from noise)",
-                       **common)
+        return Verdict("not learned", f"not learned: the gain {_interval(trained)} over {trained.n_tasks} tasks "
+                       "does not lie above 0 (no gain that can be told from noise)", **common)
     if control is None:
-        return Verdict("not shown", f"not shown: the gain {gain:+.3f} {interval} is above 0, but without a shuffled-reward "
-                       "control it may be drift, not learning: train the same params with "
+        return Verdict("not shown", f"not shown: the gain {_interval(trained)} is above 0, but without a "
+                       "shuffled-reward control it may be drift, not learning: train the same params with "
                        "-o grpo.reward_control=shuffled and give its checkpoint as the control", **common)
-    if gain <= control.gain:
-        return Verdict("not learned", f"not learned: the gain {gain:+.3f} {interval} is not above the shuffled-reward "
-                       f"control's {control.gain:+.3f}: the rise is drift, not learning", **common)
+    if over is None or over.ci95[0] <= 0:
+        return Verdict("not learned", f"not learned: the gain {_interval(trained)} is above 0, but trained − "
+                       f"control {_interval(over) if over else '(not 2 tasks in common)'} (the control gained "
+                       f"{_interval(control)}) does not lie above 0: the trained run cannot be told from its "
+                       "shuffled-reward control", **common)
     times = "the control did not gain" if ratio == math.inf else f"{ratio:.1f}x the control's {control.gain:+.3f}"
     target = "meets" if ratio is not None and ratio >= TARGET_RATIO else "below"
-    return Verdict("learned", f"learned: the gain {gain:+.3f} {interval} is above 0 and above the shuffled-reward "
-                   f"control ({times}; {target} the {TARGET_RATIO:g}x target)", **common)
+    return Verdict("learned", f"learned: the gain {_interval(trained)} and trained − control {_interval(over)} lie "
+                   f"above 0 ({times}; {target} the {TARGET_RATIO:g}x target)", **common)
+
+
+def _judge_free_gate(verdict: Verdict, judge_free: JudgeFree | None) -> None:
+    """Record the judge-free gains on the verdict; a gain the grader alone shows is not learned: rubric-fact recall
+    must rise (interval above 0) and name precision must not fall (interval not below 0)."""
+    if judge_free is None:
+        if verdict.learned:
+            verdict.restate("not shown", "but no judge-free measure was given (`judge_free_measures`): nothing "
+                            "shows the gain without the grader the Solver trained against")
+        return
+    gains = judge_free.comparisons.get("trained", {})
+    verdict.judge_free = [f"{LABELS[m]} {_interval(c)}" if c else f"{LABELS[m]} not measurable"
+                          for m, c in gains.items()]
+    if not verdict.learned:
+        return
+    recall, precision = gains.get("fact_recall"), gains.get("name_precision")
+    missing = [LABELS[m] for m, c in (("fact_recall", recall), ("name_precision", precision)) if c is None]
+    if missing:
+        verdict.restate("not shown", f"but {' and '.join(missing)} cannot be measured on 2 tasks or more (no rubric "
+                        "with a name or number, no answer that names something, or no stored answers: evaluate "
+                        "again): nothing shows the gain without the grader")
+        return
+    failed = []
+    if recall.ci95[0] <= 0:  # type: ignore[union-attr]
+        failed.append(f"rubric-fact recall did not rise ({_interval(recall)})")  # type: ignore[arg-type]
+    if precision.ci95[1] < 0:  # type: ignore[union-attr]
+        names = gains.get("names")
+        more = f", names per answer {_interval(names)}" if names else ""
+        failed.append(f"name precision against the source document fell ({_interval(precision)}{more})")  # type: ignore[arg-type]
+    if failed:
+        verdict.restate("not learned", f"but read without the grader {' and '.join(failed)}: the grader's gain is "
+                        "not the rubrics' facts stated from the source")
+
+
+def _grader_gate(verdict: Verdict, grader: Calibration | None, accept_untrusted_judge: bool) -> None:
+    """Scores of an unprobed or untrusted grader show nothing either way: "not shown", whatever the interval."""
+    if grader is None:
+        verdict.restate("not shown", "but the grader that scored it was never probed (no calibration probe beside "
+                        "the held-out set): its scores may not follow the rubrics; probe it (`held_out_set` does)")
+        return
+    verdict.judge_trusted, verdict.judge = grader.trusted, grader.numbers()
+    if grader.trusted:
+        return
+    why = f"the frozen Judge's grader failed its calibration probe ({'; '.join(grader.reasons)}: {grader.numbers()})"
+    if not accept_untrusted_judge:
+        verdict.restate("not shown", f"but {why}, so its scores may not follow the rubrics; fix the Judge "
+                        "(docs/evaluation.md, Judge calibration) or accept it with "
+                        "learning_check.accept_untrusted_judge (--accept-untrusted-judge)")
+    else:
+        verdict.reason += f" [{why}{', accepted' if verdict.learned else ''}]"
 
 
 # -- one check, end to end ---------------------------------------------------------------------------------------
@@ -375,17 +525,19 @@ class LearningCheck:
     control: Comparison | None
     verdict: Verdict
     over_control: Comparison | None = None  # the trained checkpoint against the control's, paired over the tasks
+    judge_free: JudgeFree | None = None  # the judge-free measures, per checkpoint and compared
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per checkpoint: its role, tasks, mean rubric score, success rate, and its gain over `before`
-        with the 95% interval."""
+        """One row per checkpoint: its role, tasks, mean rubric score, success rate, its gain over `before` with
+        the 95% interval, and each judge-free measure's mean (LABELS)."""
         rows = []
         for role, ev in self.evaluations.items():
             comparison = {"after": self.trained, "control": self.control}.get(role)
+            means = {LABELS[m]: self.judge_free.mean(role, m) for m in MEASURES} if self.judge_free else {}
             rows.append({"role": role, "checkpoint": ev.checkpoint, "tasks": len(ev.results),
                          "mean rubric score": ev.mean_score, "success rate": ev.success_rate,
                          f"gain ({self.trained.metric})": comparison.gain if comparison else None,
-                         "95% interval": list(comparison.ci95) if comparison else None})
+                         "95% interval": list(comparison.ci95) if comparison else None, **means})
         return rows
 
     def to_record(self) -> dict[str, Any]:
@@ -398,6 +550,7 @@ class LearningCheck:
                                 for role, ev in self.evaluations.items()},
                 "trained": self.trained.to_record(), "control": self.control.to_record() if self.control else None,
                 "over_control": self.over_control.to_record() if self.over_control else None,
+                "judge_free": self.judge_free.to_record() if self.judge_free else None,
                 "verdict": self.verdict.to_record()}
 
 
@@ -512,9 +665,11 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
 
     trained = comparison("after")
     controlled = comparison("control") if "control" in evaluations else None
-    verdict = learning_verdict(trained, controlled, held_out.grader, lc.accept_untrusted_judge)
     over_control = comparison("after", base="control") if controlled else None
-    check = LearningCheck(held_out, evaluations, trained, controlled, verdict, over_control)
+    judge_free = judge_free_measures(held_out, evaluations, n_samples=lc.bootstrap_samples, seed=lc.seed)
+    verdict = learning_verdict(trained, controlled, held_out.grader, lc.accept_untrusted_judge,
+                               over_control=over_control, judge_free=judge_free)
+    check = LearningCheck(held_out, evaluations, trained, controlled, verdict, over_control, judge_free)
     log.info("learning check of %s against %s: %s", trained.after, trained.before, check.verdict.reason)
     if write:
         atomic_write_json(params.run_dir / "learning_check" / f"{trained.after}-vs-{trained.before}.json",
