@@ -41,7 +41,8 @@ from typing import Any
 from scope_lib.protocol.dialects import DIALECTS
 
 __all__ = [
-    "TaskTypeSpec", "TASK_TYPES", "GATES", "TEMPLATE_NAMES", "load_template", "template_placeholders",
+    "TaskTypeSpec", "TASK_TYPES", "GATES", "TEMPLATE_NAMES", "METHOD_TEMPLATE_NAMES", "load_template",
+    "render_template", "template_placeholders",
     "template_version", "protocol_fingerprint",
     "challenger_prompt", "challenger_after_search", "challenger_malformed", "challenger_finish",
     "solver_prompt", "solver_malformed", "rubric_prompt", "grader_prompt", "gate_prompt", "format_documents",
@@ -96,6 +97,12 @@ TEMPLATE_NAMES: tuple[str, ...] = (
     "rubric_rule_grounding", "grader", "grader_native_thinking", "gate_entity_identifiability",
     "gate_source_relevance", "judge_retry_score", "judge_retry_rubrics", "answerability", "judge_retry_answer",
 )
+#: The other self-play methods' templates (SPICE and Search Self-Play: `protocol.spice`, `protocol.ssp`), in
+#: prompts/methods/. They stay out of `protocol_fingerprint`, which keys SCOPE's warm starts and held-out sets.
+METHOD_TEMPLATE_NAMES: tuple[str, ...] = (
+    "spice_challenger", "spice_format_multiple_choice", "spice_format_free_form", "spice_reasoner",
+    "ssp_proposer", "ssp_solver", "ssp_rag_solver",
+)
 
 #: Solver prompt variants (`solver.prompt`): the paper's Figure 10, or a complete long-form answer.
 SOLVER_PROMPTS: tuple[str, ...] = ("paper", "long_form")
@@ -108,11 +115,14 @@ RUBRIC_PROMPTS: tuple[str, ...] = ("paper", "grounded")
 
 @functools.cache
 def load_template(name: str) -> Template:
-    """The template `name` (with or without ".txt") from the package's prompts/ folder; cached."""
+    """The template `name` (with or without ".txt") from the package's prompts/ folder (prompts/methods/ for
+    METHOD_TEMPLATE_NAMES); cached."""
     stem = name[:-4] if name.endswith(".txt") else name
-    if stem not in TEMPLATE_NAMES:
-        raise ValueError(f"unknown prompt template {name!r}; available: {', '.join(TEMPLATE_NAMES)}")
-    text = resources.files("scope_lib.protocol").joinpath("prompts", f"{stem}.txt").read_text(encoding="utf-8")
+    if stem not in TEMPLATE_NAMES and stem not in METHOD_TEMPLATE_NAMES:
+        raise ValueError(f"unknown prompt template {name!r}; available: "
+                         f"{', '.join(TEMPLATE_NAMES + METHOD_TEMPLATE_NAMES)}")
+    folder = ("prompts",) if stem in TEMPLATE_NAMES else ("prompts", "methods")
+    text = resources.files("scope_lib.protocol").joinpath(*folder, f"{stem}.txt").read_text(encoding="utf-8")
     return Template(text.rstrip("\n"))
 
 
@@ -144,6 +154,11 @@ def template_placeholders(name: str) -> list[str]:
         if key and key not in found:
             found.append(key)
     return found
+
+
+def render_template(name: str, **values: Any) -> str:
+    """Template `name` with every placeholder filled from `values` (a missing one is a ValueError naming it)."""
+    return _render(name, **values)
 
 
 def _render(name: str, **values: Any) -> str:
