@@ -139,17 +139,21 @@ def strip_latex(text: Any) -> str:
 
 def parse_number(text: Any) -> float | None:
     r"""The number `text` states, or None. Plain decimals first ("1,000", "-3.5", "1.5e3", "50%" → 50); then
-    Math-Verify for LaTeX (``\frac{1}{2}``, ``1.5 \times 10^{3}``, ``42 \text{ m}``). A JSON number is taken as
-    is (a bool is not a number)."""
+    Math-Verify for LaTeX (``\frac{1}{2}``, ``1.5 \times 10^{3}``, ``2^{10}``). A unit in ``\text{…}`` after the
+    number is dropped ("42 \text{ m}"), and so are the unit words Math-Verify knows ("42 meters"). A JSON number is
+    taken as is (a bool is not a number)."""
     if isinstance(text, bool):
         return None
     if isinstance(text, int | float):
         return float(text) if math.isfinite(text) else None
-    plain = strip_latex(text).removesuffix("%").strip().replace("{,}", ",")
-    if _NUMBER.fullmatch(plain):
-        value = float(plain.replace(",", ""))
-        return value if math.isfinite(value) else None
-    return _math_number(plain)
+    if not isinstance(text, str):
+        return None
+    for plain in (strip_latex(text), strip_latex(_TEXT_MACRO.sub(" ", text))):  # with, then without \text units
+        plain = plain.removesuffix("%").strip().replace("{,}", ",")
+        if _NUMBER.fullmatch(plain):
+            value = float(plain.replace(",", ""))
+            return value if math.isfinite(value) else None
+    return _math_number(text.replace("\\$", "").replace("$", ""))
 
 
 def is_plain_number(text: Any) -> bool:
