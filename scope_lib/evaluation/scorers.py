@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import re
-import string
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from string import Template
 from typing import Any
 
 from scope_lib.protocol import parsing, prompts
+from scope_lib.protocol.verification import normalize_answer
 
 # -- judge templates ------------------------------------------------------------------------------------
 
@@ -234,16 +234,8 @@ def ingredient_level(label: str) -> int | None:
 
 # -- short-form QA: normalisation, EM, F1 (FlashRAG / SQuAD) ----------------------------------------------
 
-_PUNCT = set(string.punctuation)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-
-
-def normalize_answer(text: Any) -> str:
-    """Lower-case, drop punctuation, drop the articles a/an/the, collapse whitespace (the standard QA rule)."""
-    if not isinstance(text, str):
-        return ""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+# normalize_answer: lower-case, drop punctuation, drop the articles a/an/the, collapse whitespace (the standard QA
+# rule), one home with the self-play methods' rule verifier (`protocol.verification`)
 
 
 def exact_match(prediction: Any, golds: list[str]) -> float:
