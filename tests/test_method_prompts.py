@@ -10,6 +10,7 @@ import pytest
 
 from scope_lib.protocol import prompts
 
+
 def test_method_templates_are_registered_on_disk_apart_from_scopes():
     folder = resources.files("scope_lib.protocol").joinpath("prompts", "methods")
     on_disk = sorted(p.name[:-4] for p in folder.iterdir() if p.name.endswith(".txt"))
