@@ -224,6 +224,11 @@ class JudgeConfig(Section):
         "option, off in the paper) is Search Self-Play's RAG check: the Judge answers the task without searching "
         "from the Challenger's retrieved documents mixed with noise documents, and the answer must reach "
         "`answerability_threshold` on the task's rubrics.")
+    gates_by: Literal["judge", "rules", "rules_then_judge"] = Field(
+        "judge", description="Who decides the two prompt gates: 'judge' = the Judge's gate prompts (the paper); "
+        "'rules' = word rules, no model (a task names a capitalised name or a title word; a name of the task occurs "
+        "in the source: `protocol.gate_rules`); 'rules_then_judge' = the rules first, and the Judge only for tasks "
+        "that pass them (Search Self-Play filters with rules before its judge; fewer Judge calls).")
     answerability_threshold: float = Field(
         0.5, ge=0.0, le=1.0, description="Least rubric score (eq. 1) the Judge's no-search answer must reach for a "
         "task to pass the 'answerability' gate. SCOPE's tasks have no reference answer, so the rubrics judge it.")

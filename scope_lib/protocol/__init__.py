@@ -6,6 +6,7 @@ prompts    Appendix H: Challenger, Solver, rubric writer, grader and gate prompt
 parsing    total parsers of tasks, answers, rubrics and scores (never raise)
 rewards    equations 1-7 and Appendix F: rubric score, difficulty, length penalty, format and search rewards
 facts      the names and years a rubric asks for, and fact pairs (stated, removed, swapped) for the probes
+gate_rules the quality gates decided by word rules (`judge.gates_by`; not in the paper)
 verification  the rule verifier of short answers (text, numbers, Math-Verify expressions, lists, booleans, letters)
 spice      SPICE: the Challenger's JSON task, the Reasoner's boxed answer verified, eq. 1's rewards
 ssp        Search Self-Play: the Proposer's rule filters, RAG verification's passages, eq. 6-7's rewards

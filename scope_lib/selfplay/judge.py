@@ -9,6 +9,9 @@ The `answerability` gate (an option: Search Self-Play's RAG check) is a fourth c
 after the rubrics exist: `answer` writes one no-search answer per task, which `grade` then scores against the
 task's rubrics (`scope_lib.selfplay.tasks.answerability_check`).
 
+`judge.gates_by` (an option) decides the two prompt gates by word rules instead (`protocol.gate_rules`), or by the
+rules first and the Judge only for the tasks they pass (`rules_then_judge`: fewer gate prompts).
+
 Whether a Judge model thinks natively (Qwen3: its own <think> blocks) is decided per stage from that
 stage's own model, not the policy's: it picks the grader variant, the stop strings and the gate budget.
 """
@@ -27,6 +30,7 @@ from scope_lib.config import JudgeConfig, Params
 from scope_lib.models.engine import Engine, Sampling
 from scope_lib.protocol import parsing, prompts
 from scope_lib.protocol.dialects import thinks_natively
+from scope_lib.protocol.gate_rules import rule_verdicts
 from scope_lib.protocol.parsing import Rubric
 
 log = logging.getLogger(__name__)
@@ -127,8 +131,27 @@ class Judge:
 
     # -- the three stages --------------------------------------------------------------------------
     def gates(self, tasks: list[str], source_documents: list[str]) -> list[GateOutcome]:
-        """Every configured prompt gate for every task, in one call (the answerability gate runs later, once the
-        task has rubrics: `answer`)."""
+        """Every configured prompt gate for every task, decided as `judge.gates_by` says: by the Judge's prompts in
+        one call (the paper), by the word rules of `protocol.gate_rules`, or by the rules first and the Judge only
+        for the tasks they pass (a task the rules reject costs no Judge call). The answerability gate runs later,
+        once the task has rubrics (`answer`)."""
+        if self.cfg.gates_by == "judge":
+            return self.judge_gates(tasks, source_documents)
+        gates = [g for g in self.cfg.gates if g != ANSWERABILITY]
+        ruled = [rule_verdicts(task, doc, gates) for task, doc in zip(tasks, source_documents, strict=True)]
+        if self.cfg.gates_by == "rules":
+            return [GateOutcome(v) for v in ruled]
+        asked = [i for i, v in enumerate(ruled) if all(x == 1 for x in v.values())]
+        judged = self.judge_gates([tasks[i] for i in asked], [source_documents[i] for i in asked])
+        if len(asked) < len(tasks):
+            log.info("gates: %d of %d tasks failed the rules, rejected without a Judge call", len(tasks) - len(asked),
+                     len(tasks))
+        by_task = {i: outcome.verdicts for i, outcome in zip(asked, judged, strict=True)}
+        return [GateOutcome(combine_gates(self.cfg.gates_by, v, by_task.get(i))) for i, v in enumerate(ruled)]
+
+    def judge_gates(self, tasks: list[str], source_documents: list[str]) -> list[GateOutcome]:
+        """The Judge's verdicts on every configured prompt gate for every task, in one call (the paper's gates,
+        whatever `judge.gates_by` says: the gate probe also measures the Judge alone)."""
         gates = [g for g in self.cfg.gates if g != ANSWERABILITY]
         texts = [prompts.gate_prompt(g, task, doc)
                  for task, doc in zip(tasks, source_documents, strict=True) for g in gates]
@@ -218,6 +241,18 @@ class Judge:
             log.info("judge %s: %d of %d replies unparseable after %d retry(ies)", stage, len(todo), len(texts),
                      self.cfg.parse_retries)
         return results
+
+
+def combine_gates(gates_by: str, rules: dict[str, int], judged: dict[str, int | None] | None
+                  ) -> dict[str, int | None]:
+    """One task's gate verdicts under `judge.gates_by`, from the rules' verdicts and the Judge's (None: the Judge was
+    not asked). 'rules_then_judge': a task that fails any rule keeps the rules' verdicts (the Judge is not asked);
+    one that passes them all gets the Judge's."""
+    if gates_by == "rules" or (gates_by == "rules_then_judge" and not all(v == 1 for v in rules.values())):
+        return dict(rules)
+    if judged is None:
+        raise ValueError(f"judge.gates_by {gates_by!r} needs the Judge's verdicts for a task the rules pass")
+    return dict(judged)
 
 
 def _model_stage(stage: str) -> str:

@@ -180,8 +180,9 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     same M0 and the same adapters: a run resumes with either), `judge.calibration` (a probe of the grader when
     the run opens: it changes no grade) and `selfplay.iterations` (iteration t never reads the count: a finished
     run continues with more). Options added after runs existed are left out at their default
-    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, no held-out documents), so those runs
-    still resume. `counted_iterations`: the form before the count left the hash, for runs started then."""
+    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, no held-out
+    documents), so those runs still resume. `counted_iterations`: the form before the count left the hash, for
+    runs started then."""
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items()
@@ -195,6 +196,8 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
         science["grpo"].pop("reward_control")
     if science["challenger"]["no_rubrics_reward"] == "format":
         science["challenger"].pop("no_rubrics_reward")
+    if science["judge"]["gates_by"] == "judge":
+        science["judge"].pop("gates_by")
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)
