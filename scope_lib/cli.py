@@ -3,6 +3,7 @@
     scope run PARAMS [-o key=value ...]          every notebook via papermill -> <run>/reports/ (+ HTML, index.html)
     scope train PARAMS [-o key=value ...]        Algorithm 1: every iteration, resuming an interrupted run
     scope train PARAMS --processes N             the same over N ranks (torchrun; docs/gpus.md for accelerate)
+    scope train PARAMS --accept-untrusted-judge  train although a Judge stage failed its probe (else exit 4)
     scope plan --params P [--gpu-gib 80]         GPU memory per GPU: weights, adapters, activations, vLLM
     scope params show PARAMS [-o key=value ...]  the resolved parameters with their documentation
     scope data fetch [--params P]                download the wiki-18 corpus (or a slice of it)
@@ -123,8 +124,16 @@ def cmd_train(args) -> int:
     from scope_lib.selfplay import ranks
     from scope_lib.selfplay.health import read_alarms
     from scope_lib.selfplay.loop import run
+    from scope_lib.selfplay.stage_probes import UntrustedJudge
 
-    result = run(params)
+    if args.accept_untrusted_judge:
+        params.judge.calibration.accept_untrusted = True
+    try:
+        result = run(params)
+    except UntrustedJudge as exc:  # before any training step; the probes are in the manifest, the alarms logged
+        if ranks.is_main():
+            print(f"error: {exc}", file=sys.stderr)
+        return UNTRUSTED_JUDGE_EXIT
     if ranks.is_main():
         print(f"{result.run_dir}: {result.params.selfplay.iterations} iteration(s) done, "
               f"{len(read_alarms(result.run_dir))} health alarm(s) in {result.run_dir / 'health.jsonl'}")
@@ -143,6 +152,8 @@ def launch_ranks(args) -> int:
                "-m", "scope_lib.cli", "train", args.params]
     for override in args.override:
         command += ["-o", override]
+    if args.accept_untrusted_judge:
+        command.append("--accept-untrusted-judge")
     launcher = subprocess.Popen(command)
     try:
         code = launcher.wait()
@@ -245,7 +256,8 @@ def cmd_serve_model(args) -> int:
     return 0  # not reached
 
 
-#: `scope eval`'s exit status when a judge failed its calibration probe and was not accepted.
+#: `scope eval`'s exit status when a judge failed its calibration probe and was not accepted; `scope train`'s when a
+#: stage of its Judge (the grader, a gate, the rubric writer) did, before any training step.
 UNTRUSTED_JUDGE_EXIT = 4
 
 
@@ -274,9 +286,12 @@ def cmd_eval(args) -> int:
 
 
 def cmd_check_build(args) -> int:
-    from scope_lib.evaluation.held_out import held_out_set
+    from scope_lib.evaluation.held_out import held_out_set, held_out_stage_probes
 
     held_out = held_out_set(_torch_params(args, models=True))
+    stages = held_out_stage_probes(held_out)
+    for c in ([held_out.grader] if held_out.grader else []) + (stages.configured() if stages else []):
+        print(f"judge: {c.judge}: {c.numbers()} -> {'trusted' if c.trusted else 'UNTRUSTED'}")
     s = held_out.summary
     lo, hi = s["window"]
     m0 = "-" if s["m0_mean_score"] is None else f"{s['m0_mean_score']:.3f}"
@@ -405,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = with_params(sub.add_parser("train", help="run (or resume) self-play training"), positional=True)
     train.add_argument("--processes", type=int, default=1, metavar="N",
                        help="train over N ranks on this machine (torchrun; gloo on CPU, NCCL on GPUs)")
+    train.add_argument("--accept-untrusted-judge", action="store_true",
+                       help="train although a Judge stage (grader, gate, rubric writer) failed its calibration probe "
+                       "(exit 4 otherwise, before training; params: judge.calibration.accept_untrusted)")
     train.set_defaults(func=cmd_train)
 
     gpu = with_params(sub.add_parser("plan", help="GPU memory of a run, per GPU (exit 1 if it cannot fit)"))

@@ -212,6 +212,31 @@ class CalibrationConfig(Section):
         "retries) of a trusted judge (the self-Judge's judge_parse_failures alarm uses the same 20%).")
 
 
+class JudgeCalibrationConfig(CalibrationConfig):
+    """The frozen Judge's probes when a run opens (`judge.calibration`; not in the paper; docs/protocol.md, "Judge
+    calibration"): the per-rubric grader (`selfplay.grader_probe`), the quality gates and the rubric writer
+    (`selfplay.stage_probes`), each trusted by the same rule (separation, invalid rate)."""
+
+    items: int = Field(
+        60, ge=5, description="Probe items of the per-rubric grader, 5 per fact pair: the fact stated, reordered "
+        "(yes), removed, swapped, and a list of the document's other names (no). 60 = 36 negatives: a specificity "
+        "of 1.00 then means at least 0.90 at 95% (Clopper-Pearson); one batched Judge call.")
+    gate_items: int = Field(
+        32, ge=6, description="Probe tasks for the quality gates: tasks built from corpus documents with a known "
+        "verdict per gate (about a name of the document, of another document, naming nothing, a bare ambiguous "
+        "name, the document's topic without a name, the document's name in capitals); each gate answers every one.")
+    rubric_items: int = Field(
+        16, ge=2, description="Probe tasks for the rubric writer: a task about a name of a document, whose rubrics "
+        "should name facts of that document (names, years, numbers) and none of another probe document's.")
+    rubric_fact_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="A rubric reply counts as grounded (the probe's yes where yes is right) "
+        "when at least this share of its rubrics names a fact of the source the task does not already name.")
+    accept_untrusted: bool = Field(
+        False, description="`scope train` trains although a Judge stage (the grader, a gate, the rubric writer) "
+        "failed its probe; the health alarm still fires. Off: it stops before training with exit code 4. The same "
+        "as `scope train --accept-untrusted-judge`.")
+
+
 class JudgeConfig(Section):
     """The frozen Judge J = M0: quality gates, rubric writing, per-rubric grading (§3.1, App. G, H)."""
 
@@ -268,12 +293,12 @@ class JudgeConfig(Section):
     priority_weights: dict[str, float] = Field(
         {"critical": 1.0, "important": 0.7, "bonus": 0.3},
         description="w_k per priority when rubric_weights = 'priority'.")
-    calibration: CalibrationConfig = Field(
-        default_factory=lambda: CalibrationConfig(items=60), description="Probe the per-rubric grader on controlled "
-        "pairs from the corpus when a run opens (`selfplay.grader_probe`: 60 items by default, 5 per fact pair: the "
-        "fact stated, reordered, removed, swapped, and a list of the document's other names; 36 negatives, so a "
-        "specificity of 1.00 means at least 0.90 at 95%); an untrusted grader raises the health alarm "
-        "untrusted_judge. Not part of the params hash: it decides no training result.")
+    calibration: JudgeCalibrationConfig = Field(
+        default_factory=JudgeCalibrationConfig, description="Probe the per-rubric grader (fact pairs), the quality "
+        "gates and the rubric writer (tasks with known verdicts) on the corpus when a run opens and when the "
+        "learning check builds its held-out set (`selfplay.grader_probe`, `selfplay.stage_probes`); an untrusted "
+        "stage raises a health alarm (untrusted_judge, untrusted_gate, untrusted_rubric_writer) and stops `scope "
+        "train` unless accepted. Not part of the params hash: it decides no training result.")
 
 
 class RetrievalConfig(Section):

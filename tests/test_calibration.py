@@ -263,16 +263,17 @@ def test_a_self_play_run_records_the_probe_and_alarms_on_an_untrusted_judge(tmp_
         manifest = json.loads((p.run_dir / "manifest.json").read_text())
         probe = manifest["judge_calibration"]
         assert probe["n_items"] == 8 and probe["role"] == "grader" and len(probe["items"]) == 8
-        alarms = [a["alarm"] for a in health.read_alarms(p.run_dir)]
+        # the grader's alarm (the scripted gates say yes to everything: their own alarms are tests/test_stage_probes.py's)
+        alarms = [a["alarm"] for a in health.read_alarms(p.run_dir) if a["alarm"] == "untrusted_judge"]
         if name == "reads":
-            assert probe["trusted"] and alarms == [] and r.alarms == []
+            assert probe["trusted"] and alarms == [] and [a for a in r.alarms if a["alarm"] == "untrusted_judge"] == []
         else:
             assert not probe["trusted"] and probe["sensitivity"] == 1.0 and probe["specificity"] == 0.0
             assert alarms == ["untrusted_judge"] and r.alarms[0]["alarm"] == "untrusted_judge"
             assert "separation 0.00 < 0.50" in r.alarms[0]["message"]
             open_run(p, engine=engine, judge=Judge(engine, p.judge, seed=p.selfplay.seed), retriever=retriever,
                      policy=policy)                                       # a resumed run: the alarm once
-            assert [a["alarm"] for a in health.read_alarms(p.run_dir)] == ["untrusted_judge"]
+            assert [a["alarm"] for a in health.read_alarms(p.run_dir)].count("untrusted_judge") == 1
     off = params.model_copy(deep=True)
     off.run.name, off.judge.calibration.enabled = "off", False
     engine = ScriptedEngine(policy.tokenizer, get_dialect("qwen2.5"))

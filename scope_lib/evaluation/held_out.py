@@ -18,6 +18,8 @@ and checkpoint of that configuration.
 Once per set the frozen Judge's per-rubric grader answers the calibration probe (`probe_held_out_grader`,
 `selfplay.grader_probe.probe_self_judge`: a rubric's fact stated, removed or swapped in sentences of the corpus),
 stored beside the set: the check (`evaluation.learning_check`) scores with that grader and says whether to trust it.
+The Judge's gates and rubric writer answer their probes too (`probe_held_out_stages`, `selfplay.stage_probes`), stored
+beside it (`held_out_stage_probes` reads them back): the gates chose the set's tasks, the rubric writer their rubrics.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
 from scope_lib.runs import RunError, Stage, atomic_write_json, finished_chunks, read_json
 from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge, unseen_by_teacher
 from scope_lib.selfplay.judge import Judge, make_judge
+from scope_lib.selfplay.stage_probes import StageProbes, probe_judge_stages
 from scope_lib.selfplay.tasks import TaskEvaluation, candidate_batch, filter_tasks
 
 log = logging.getLogger(__name__)
@@ -254,11 +257,17 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
         with FileLock(str(folder / ".lock")):
             if not (folder / GRADER_PROBE).is_file():
                 atomic_write_json(folder / GRADER_PROBE, probe_held_out_grader(params, lent()).to_record())
+    if not (folder / STAGE_PROBES).is_file():
+        with FileLock(str(folder / ".lock")):
+            if not (folder / STAGE_PROBES).is_file():
+                atomic_write_json(folder / STAGE_PROBES, probe_held_out_stages(params, lent()).to_record())
     return load_held_out(folder, params)
 
 
 #: The frozen Judge's grader probe, stored beside the held-out set it scores.
 GRADER_PROBE = "grader_calibration.json"
+#: The frozen Judge's gate and rubric-writer probes, stored beside the held-out set their verdicts chose.
+STAGE_PROBES = "judge_stage_calibration.json"
 
 
 def corpus_passages(params: Params, c: CheckComponents) -> list:
@@ -267,6 +276,19 @@ def corpus_passages(params: Params, c: CheckComponents) -> list:
         return c.passages
     r = params.retrieval
     return read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
+
+
+def probe_held_out_stages(params: Params, c: CheckComponents) -> StageProbes:
+    """The calibration probes of the frozen Judge's gates and rubric writer (`selfplay.stage_probes`): one batched
+    gate call and one rubric call on tasks with known verdicts built from the corpus."""
+    return probe_judge_stages(params, c.judge, corpus_passages(params, c))
+
+
+def held_out_stage_probes(held_out: HeldOutSet) -> StageProbes | None:
+    """The gate and rubric-writer probes stored beside a held-out set (None for a set built before they existed)."""
+    path = held_out.path / STAGE_PROBES
+    return StageProbes.from_record(read_json(path, "delete it; the next check probes the Judge again")) \
+        if path.is_file() else None
 
 
 def probe_held_out_grader(params: Params, c: CheckComponents) -> Calibration:

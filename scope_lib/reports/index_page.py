@@ -1,7 +1,8 @@
 """A run's index page, runs/<name>/reports/index.html: the page a reader opens first. The run's name, params
-hash and git sha (from manifest.json), the packages that ran, then one line per executed notebook: its title, its
-result in one line (the summary record the notebook wrote, `reports.notebook.summary`), the health alarms raised
-while it ran, its wall time, links to its HTML report and .ipynb."""
+hash and git sha (from manifest.json), whether each stage of the Judge passed its calibration probe when the run
+opened (the grader, the gates, the rubric writer), the packages that ran, then one line per executed notebook: its
+title, its result in one line (the summary record the notebook wrote, `reports.notebook.summary`), the health
+alarms raised while it ran, its wall time, links to its HTML report and .ipynb."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from scope_lib.runs import git_state, package_versions
+from scope_lib.selfplay.grader_probe import Calibration
 from scope_lib.selfplay.health import read_alarms
+from scope_lib.selfplay.stage_probes import MANIFEST_KEY, StageProbes
 
 #: The mimetype of a notebook's summary output (`reports.notebook.summary`): {"result", "facts", "packages"}.
 SUMMARY_MIMETYPE = "application/vnd.scope.summary+json"
@@ -95,6 +98,21 @@ def _manifest(run_dir: Path) -> tuple[dict[str, Any], str]:
             "no manifest.json yet (training writes it): package versions and git state when this page was written")
 
 
+def judge_probes_line(manifest: dict[str, Any]) -> str:
+    """The Judge's calibration probes when the run opened, in one line: each stage that decides (the grader, each
+    gate as `judge.gates_by` decides it, the rubric writer), trusted or not, with its separation."""
+    found = []
+    if manifest.get("judge_calibration"):
+        found.append(Calibration.from_record(manifest["judge_calibration"]))
+    if manifest.get(MANIFEST_KEY):
+        found += StageProbes.from_record(manifest[MANIFEST_KEY]).configured()
+    if not found:
+        return "Judge probes: none stored (training probes the Judge when the run opens; judge.calibration)"
+    parts = [f"{c.judge}: {'trusted' if c.trusted else 'UNTRUSTED'}, separation "
+             f"{'n/a' if c.separation is None else f'{c.separation:.2f}'}" for c in found]
+    return "Judge probes when the run opened: " + "; ".join(parts)
+
+
 def _size(n: int | None) -> str:
     return "" if n is None else f"{n / 1e6:.1f} MB"
 
@@ -141,6 +159,8 @@ code {{ background: #f4f4f4; padding: 0 .2em; }}
 <p>Params hash <code>{e(str(manifest.get("params_hash") or "none"))}</code> · git <code>{e(sha)}</code>{e(dirty)}</p>
 <p>Packages that ran (imported by the notebooks' kernels): {e(ran)}
 <br><small>Installed ({e(source)}): {e(installed)}</small></p>
+<p>{e(judge_probes_line(manifest))}
+(<code>manifest.json</code>; docs/protocol.md, Judge calibration).</p>
 <p>Health alarms in the run: {len(all_alarms)}{f" ({outside} outside the notebooks below, e.g. from scope train)" if outside else ""}
 (<code>health.jsonl</code> in the run folder).</p>
 <table><thead><tr><th>notebook</th><th>result</th><th>status</th><th>health alarms</th><th>wall time</th>

@@ -9,6 +9,7 @@ training   TRL GRPO for one role and one stage
 checkpoints  mid-stage checkpoints a killed training stage resumes from
 ranks      several processes (torchrun, accelerate): shares, barriers, gathers
 grader_probe  the self-Judge grader's calibration probe, and the calibration records every judge probe writes
+stage_probes  the quality gates' and the rubric writer's calibration probes
 health     alarms for a run that trains on nothing
 loop       Algorithm 1: iterations of three stages, resumable (`scope train`)
 """

@@ -16,6 +16,13 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 | untrusted_judge       | the Judge's per-rubric grader failed its calibration probe when the run      |
 |                       | opened: separation below judge.calibration.min_separation, or more invalid   |
 |                       | replies than judge.calibration.max_invalid_rate (selfplay.grader_probe)       |
+| untrusted_gate        | a quality gate, as judge.gates_by decides it, failed its calibration probe   |
+|                       | when the run opened: it cannot tell a task about the source's names from one |
+|                       | about another document's, or a named task from a generic one                  |
+|                       | (selfplay.stage_probes)                                                       |
+| untrusted_rubric_writer | the rubric writer failed its calibration probe when the run opened: its    |
+|                       | rubrics do not name the source's facts, or name another document's, or do     |
+|                       | not parse (selfplay.stage_probes)                                             |
 """
 
 from __future__ import annotations
@@ -108,6 +115,28 @@ def check_calibration(calibration: dict[str, Any]) -> list[dict[str, Any]]:
                    f"the {calibration.get('judge', 'judge')} ({calibration.get('model')}) failed its calibration "
                    f"probe: {'; '.join(calibration.get('reasons') or [])}. Its grades drive the rewards: check "
                    "the model and prompt before trusting this run (docs/evaluation.md, Judge calibration)")]
+
+
+def check_stage_calibration(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Alarms for the Judge's gate and rubric-writer probes (`selfplay.stage_probes.StageProbes.to_record()`): each
+    gate as `judge.gates_by` decides it, and the rubric writer, that is untrusted."""
+    method = record.get("gates_by", "judge")
+    found = [("untrusted_gate", gate, by_method.get(method) or {})
+             for gate, by_method in record.get("gates", {}).items()]
+    if record.get("rubrics"):
+        found.append(("untrusted_rubric_writer", "rubrics", record["rubrics"]))
+    alarms = []
+    for name, role, c in found:
+        if c.get("trusted", True):
+            continue
+        what = ("decides which tasks enter the pool and which Challenger rollouts earn a difficulty reward: check "
+                "the model, or decide the gates by rules (judge.gates_by: rules_then_judge)"
+                if name == "untrusted_gate" else "writes the rubrics every grade is measured against: check the "
+                "model and judge.rubric_prompt")
+        alarms.append(_alarm(name, {"role": role}, c.get("separation"), c.get("min_separation"),
+                             f"the {c.get('judge', role)} ({c.get('model')}) failed its calibration probe: "
+                             f"{'; '.join(c.get('reasons') or [])}. It {what} (docs/protocol.md, Judge calibration)"))
+    return alarms
 
 
 def alarm_key(alarm: dict[str, Any]) -> tuple:

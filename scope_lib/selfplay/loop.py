@@ -46,6 +46,7 @@ from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.policy import ROLES, Policy, serves_adapters
 from scope_lib.selfplay.rollout import make_challenger_prompts
+from scope_lib.selfplay.stage_probes import StageProbes, UntrustedJudge, probe_judge_stages, refusal
 from scope_lib.selfplay.tasks import TaskEvaluation, candidate_batch, filter_tasks
 from scope_lib.selfplay.training import StageContext, train_role
 
@@ -135,17 +136,25 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
 
         judge = make_judge(params, engine_for)
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
-    calibration = None
-    if ranks.is_main() and params.judge.calibration.enabled:  # the grader is probed before its grades count
+    calibration, stages = None, None
+    if ranks.is_main() and params.judge.calibration.enabled:  # every Judge stage is probed before its verdicts count
         calibration = probe_self_judge(params, judge, passages)
+        stages = probe_judge_stages(params, judge, passages)
     if ranks.is_main():
-        _write_manifest(params, judge, passages, fingerprint, calibration)
+        _write_manifest(params, judge, passages, fingerprint, calibration, stages)
     ranks.barrier()
     run = SelfPlayRun(params, passages, retriever, get_dialect(params.model.dialect, params.model.base), policy,
                       judge, engine)
-    for alarm in health.check_calibration(calibration.summary()) if calibration is not None else []:
+    alarms = health.check_calibration(calibration.summary()) if calibration is not None else []
+    alarms += health.check_stage_calibration(stages.to_record()) if stages is not None else []
+    for alarm in alarms:
         run.alarms.append(alarm)
         health.report(alarm, run.run_dir)
+    untrusted = ([calibration] if calibration is not None and not calibration.trusted else []) + (
+        stages.untrusted() if stages is not None else [])
+    stop = ranks.broadcast(refusal(untrusted, params.judge.calibration) if ranks.is_main() else None)
+    if stop:  # before any training step: `scope train` exits 4 (cli.UNTRUSTED_JUDGE_EXIT)
+        raise UntrustedJudge(stop)
     _restore_roles(run)
     return run
 
@@ -157,7 +166,7 @@ def _on_cpu(params: Params) -> bool:
 
 
 def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None,
-                    calibration: Calibration | None = None) -> None:
+                    calibration: Calibration | None = None, stages: StageProbes | None = None) -> None:
     started = _started_with_iterations(params)
     earlier = () if started is None else (science_yaml(params, counted_iterations=started),)
     write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), earlier_science=earlier,
@@ -168,6 +177,7 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
                    seeds={"selfplay": params.selfplay.seed, "grpo": params.grpo.seed},
                    judge_models=judge_models(params), index=fingerprint,
                    judge_calibration=calibration.to_record() if calibration is not None else None,
+                   judge_stage_calibration=stages.to_record() if stages is not None else None,
                    corpus={"path": str(params.corpus_path), "passages": len(passages),
                            "sha256": (fingerprint or {}).get("corpus_sha256")},
                    processes=ranks.world_size())
@@ -177,9 +187,9 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     """The parameters that decide training results: everything but `run` (names and folders, so a run folder
     can be moved and still resume), `evaluation` and `learning_check` (how checkpoints are measured afterwards;
     but the documents the check holds out from training count), `model.loader` (transformers and Unsloth load the
-    same M0 and the same adapters: a run resumes with either), `judge.calibration` (a probe of the grader when
-    the run opens: it changes no grade) and `selfplay.iterations` (iteration t never reads the count: a finished
-    run continues with more). Options added after runs existed are left out at their default
+    same M0 and the same adapters: a run resumes with either), `judge.calibration` (the probes of the Judge's
+    stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
+    count: a finished run continues with more). Options added after runs existed are left out at their default
     (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, no held-out
     documents), so those runs still resume. `counted_iterations`: the form before the count left the hash, for
     runs started then."""
