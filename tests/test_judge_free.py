@@ -12,10 +12,10 @@ from scope_lib.evaluation.judge_free import (
     key_facts,
     length_range,
     name_precision,
-    names_of,
     rubric_met,
     task_measures,
 )
+from scope_lib.protocol.names import names_in
 
 SOURCE = ('"Eiffel Tower"\nThe Eiffel Tower was built by Gustave Eiffel for the Exposition Universelle of 1889 in '
           "Paris. It is 330 metres tall.")
@@ -28,12 +28,12 @@ def test_answer_length_is_whitespace_tokens():
 
 
 def test_names_are_capitalised_runs_that_do_not_start_a_sentence():
-    assert names_of("It was built by Gustave Eiffel for the Exposition.") == ["Gustave Eiffel", "Exposition"]
+    assert names_in("It was built by Gustave Eiffel for the Exposition.") == ["Gustave Eiffel", "Exposition"]
     # a run that starts a sentence loses its first word; leading function words go; repeats (any case) count once
-    assert names_of("Gustave Eiffel built it. In 1889 The Exposition opened in Paris; Paris's fair.") == \
+    assert names_in("Gustave Eiffel built it. In 1889 The Exposition opened in Paris; Paris's fair.") == \
         ["Eiffel", "Exposition", "Paris"]
-    assert names_of("The sources discuss it.") == [] and names_of("Yes. He met Al.") == []   # "Al": too short
-    assert names_of("Items:\nBerlin and Rome") == ["Rome"]                           # a line starts a sentence
+    assert names_in("The sources discuss it.") == [] and names_in("Yes. He met Al.") == []   # "Al": too short
+    assert names_in("Items:\nBerlin and Rome") == ["Rome"]                           # a line starts a sentence
 
 
 def test_a_rubrics_key_facts_are_its_names_and_numbers():

@@ -19,6 +19,7 @@ from scope_lib.config import PAPER_TASK_TYPES, load_params
 from scope_lib.protocol import gate_rules as R
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.protocol.facts import mentions
+from scope_lib.protocol.names import names_in
 from scope_lib.retrieval.corpus import read_corpus
 from scope_lib.selfplay import health
 from scope_lib.selfplay import stage_probes as S
@@ -42,7 +43,7 @@ DOC = ("(Title: George Kennedy Young)\n"
     ("Explain how the village's economy works.", []),
 ])
 def test_the_names_a_task_names(task, names):
-    assert R.task_names(task) == names
+    assert names_in(task) == names
 
 
 @pytest.mark.parametrize("task, entity, source", [

@@ -2,7 +2,6 @@
 the Solver trained against (issue 47; docs/training.md, "The learning check").
 
     answer_tokens("It is about Paris.")                                    # 4: whitespace-separated tokens
-    names_of("It was built by Gustave Eiffel for the Exposition.")        # ['Gustave Eiffel', 'Exposition']
     key_facts("Mentions Juno Awards of 1983.")                            # ['Juno Awards', '1983']
     fact_recall(answer, rubric_texts)                                      # met rubrics / rubrics with a key fact
     name_precision(answer, source_document)                                # names in the source / names
@@ -12,11 +11,9 @@ Every rule is lexical and needs no tokenizer and no model, so a stored evaluatio
 models' answers on the same scale:
 
 - **answer length**: whitespace-separated tokens of the answer (a word with the punctuation stuck to it);
-- **names**: runs of capitalised words (`names_of`), the first word of a sentence left out (capitalised by grammar,
-  not because it names something), leading words of `protocol.facts.NOT_NAMES` ("The", "In", months, ...) dropped,
-  at least 3 characters; `protocol.facts.facts_of` drops a whole run that starts a sentence ("Identifies Marie Curie
-  by name." names nobody there) and `facts.Names` needs the model's tokenizer, so this rule is their
-  tokenizer-free neighbour on the same word list;
+- **names**: `protocol.names.names_in`: runs of capitalised words, the first word of a sentence left out
+  (capitalised by grammar, not because it names something), leading words of `protocol.facts.NOT_NAMES` ("The",
+  "In", months, ...) dropped, a word of 3 letters or more; the rule gates read tasks with the same rule;
 - **a rubric's key facts** (`key_facts`): its names and its numbers of two or more digits (years among them); the
   rubric is met lexically when the answer mentions every one (`protocol.facts.mentions`: a whole word or phrase, any
   case); a rubric without a key fact ("Explains the cause") is not counted;
@@ -31,7 +28,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from scope_lib.protocol.facts import NOT_NAMES, mentions
+from scope_lib.protocol.facts import mentions
+from scope_lib.protocol.names import names_in
 
 #: The judge-free measures, in the order reports show them: each a per-task mean over the K rollouts.
 MEASURES = ("answered", "answer_tokens", "names", "fact_recall", "name_precision", "score_in_m0_lengths")
@@ -42,10 +40,7 @@ LABELS = {"answered": "answered rate", "answer_tokens": "answer length (tokens)"
 #: M0's length range: the 5th to the 95th percentile of its answers' lengths (a few outliers do not stretch it).
 LENGTH_PERCENTILES = (5.0, 95.0)
 
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?:;])\s+|\n+")
-_CAPITALISED_RUN = re.compile(r"(?<![\w'’-])[A-ZÀ-ÖØ-Þ][\w'’-]*(?:[ \t]+[A-ZÀ-ÖØ-Þ][\w'’-]*)*")
 _NUMBER = re.compile(r"(?<![\w.,-])\d+(?:[.,]\d+)*(?![\w])")
-_POSSESSIVE = re.compile(r"['’]s$")
 
 
 def answer_tokens(answer: str | None) -> int:
@@ -53,28 +48,10 @@ def answer_tokens(answer: str | None) -> int:
     return len(answer.split()) if answer else 0
 
 
-def names_of(text: str) -> list[str]:
-    """The names of `text` in order, without repeats (ignoring case): runs of capitalised words, less a run's first
-    word where the run starts a sentence, less leading words of NOT_NAMES, of at least 3 characters."""
-    found: list[str] = []
-    for sentence in _SENTENCE_BREAK.split(text):
-        sentence = sentence.lstrip(" \t\"'“‘([")
-        for m in _CAPITALISED_RUN.finditer(sentence):
-            words = [_POSSESSIVE.sub("", w).rstrip("'’-") for w in m.group(0).split()]
-            if m.start() == 0:
-                words = words[1:]
-            while words and words[0] in NOT_NAMES:
-                words.pop(0)
-            name = " ".join(words)
-            if len(name) >= 3 and name.lower() not in {f.lower() for f in found}:
-                found.append(name)
-    return found
-
-
 def key_facts(rubric: str) -> list[str]:
-    """The facts a rubric asks for, lexically: its names (`names_of`; its first word, the verb, is left out) and its
+    """The facts a rubric asks for, lexically: its names (`names_in`; its first word, the verb, is left out) and its
     numbers of two or more digits."""
-    return names_of(rubric) + [n for n in _NUMBER.findall(rubric) if sum(c.isdigit() for c in n) >= 2]
+    return names_in(rubric) + [n for n in _NUMBER.findall(rubric) if sum(c.isdigit() for c in n) >= 2]
 
 
 def rubric_met(answer: str, rubric: str) -> bool | None:
@@ -94,7 +71,7 @@ def fact_recall(answer: str | None, rubrics: Sequence[str]) -> float | None:
 def name_precision(answer: str | None, document: str | None) -> float | None:
     """The share of the answer's names that the source document mentions (None: no answer, no name, or no
     document)."""
-    names = names_of(answer) if answer else []
+    names = names_in(answer) if answer else []
     if not names or not document:
         return None
     return sum(mentions(document, n) for n in names) / len(names)
@@ -128,7 +105,7 @@ def task_measures(answers: Sequence[str | None], scores: Sequence[float], rubric
     return {
         "answered": _mean([float(a is not None) for a in answers]),
         "answer_tokens": _mean([float(answer_tokens(a)) for a in answers]),
-        "names": _mean([float(len(names_of(a))) if a else 0.0 for a in answers]),
+        "names": _mean([float(len(names_in(a))) if a else 0.0 for a in answers]),
         "fact_recall": _mean([fact_recall(a, rubrics) for a in answers]),
         "name_precision": _mean([name_precision(a, document) for a in answers]),
         "score_in_m0_lengths": _mean([g if in_range(a) else None for a, g in zip(answers, scores, strict=True)]),

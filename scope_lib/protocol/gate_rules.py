@@ -3,10 +3,9 @@ model. Search Self-Play filters its proposer's tasks with rules before its judge
 say yes to everything (issue 51), and a rule cannot. `judge.gates_by` chooses: the Judge's prompts (the paper), these
 rules, or the rules first and the Judge only for tasks the rules pass (`selfplay.judge.Judge.gates`).
 
-    task_names("Plan a study of Arsenal Stadium.")           # ["Arsenal Stadium"]
-    entity_identifiability(task, title)                       # names a capitalised name, or a word of the title
-    source_relevance(task, source_document)                   # a name of the task occurs in the source
-    rule_verdicts(task, source_document, gates)               # {gate: 0 or 1}
+    entity_identifiability(task, title)           # names a capitalised name (`protocol.names.names_in`), or a word of the title
+    source_relevance(task, source_document)       # a name of the task occurs in the source
+    rule_verdicts(task, source_document, gates)   # {gate: 0 or 1}
 
 - **entity identifiability** passes when the task names something: a capitalised name that does not merely start a
   sentence (every imperative task starts with a capital: "Plan", "Write"), in any case ("ARSENAL STADIUM" counts), or
@@ -22,62 +21,19 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from scope_lib.protocol.facts import NOT_NAMES
+from scope_lib.protocol.names import bare, is_name_word, names_in
 
 #: The quality gates a rule can decide (`config.Gate` less the answerability check, which needs rubrics).
 RULE_GATES: tuple[str, ...] = ("entity_identifiability", "source_relevance")
 
 _WORD = re.compile(r"[^\W\d_][\w'’-]*")
-_SENTENCE_START = re.compile(r"(?:^|[.!?:;]\s+|\n\s*|[(\"“‘']\s*)$")
 _TITLE = re.compile(r"^\(Title: (.*?)\)\n")
-#: The shortest word that counts as a name (a shorter one, "St" or "Mr", says too little).
-MIN_NAME_LETTERS = 3
 
 
 def fold(text: str) -> str:
     """`text` without accents, case-folded: what the rules compare ("Zürich" and "ZURICH" are one name)."""
     decomposed = unicodedata.normalize("NFKD", text)
     return "".join(c for c in decomposed if not unicodedata.combining(c)).casefold()
-
-
-def _bare(word: str) -> str:
-    """A word without a possessive ending or trailing hyphens and apostrophes ("Kennedy's" -> "Kennedy")."""
-    return re.sub(r"['’]s$", "", word).rstrip("'’-")
-
-
-def _is_name_word(word: str) -> bool:
-    return word[:1].isupper() and word not in NOT_NAMES and len(word) >= MIN_NAME_LETTERS
-
-
-def _starts_sentence(text: str, start: int) -> bool:
-    return _SENTENCE_START.search(text[max(0, start - 3):start]) is not None
-
-
-def task_names(task: str) -> list[str]:
-    """The names a task names, in order: runs of capitalised words one space apart, each without a first word that
-    only starts a sentence and without leading words of NOT_NAMES ("Plan a study of Highbury." names "Highbury";
-    "Arsenal Stadium opened when?" names "Stadium", "Describe Arsenal Stadium." names "Arsenal Stadium")."""
-    runs: list[list[tuple[str, int]]] = []
-    previous_end: int | None = None
-    for m in _WORD.finditer(task):
-        word = _bare(m.group(0))
-        if not word[:1].isupper():
-            previous_end = None
-            continue
-        if runs and previous_end is not None and task[previous_end:m.start()] == " ":
-            runs[-1].append((word, m.start()))
-        else:
-            runs.append([(word, m.start())])
-        previous_end = m.end()
-    names: list[str] = []
-    for run in runs:
-        words = [w for w, _ in run][1 if _starts_sentence(task, run[0][1]) else 0:]
-        while words and words[0] in NOT_NAMES:
-            words.pop(0)
-        name = " ".join(words)
-        if any(_is_name_word(w) for w in words) and name not in names:
-            names.append(name)
-    return names
 
 
 def title_of(source_document: str) -> str:
@@ -88,7 +44,7 @@ def title_of(source_document: str) -> str:
 
 def title_words(title: str) -> list[str]:
     """The words of a title that can name its subject: capitalised, not in NOT_NAMES, at least 3 letters."""
-    return [w for w in (_bare(m.group(0)) for m in _WORD.finditer(title)) if _is_name_word(w)]
+    return [w for w in (bare(m.group(0)) for m in _WORD.finditer(title)) if is_name_word(w)]
 
 
 def mentions_folded(text: str, phrase: str) -> bool:
@@ -98,14 +54,14 @@ def mentions_folded(text: str, phrase: str) -> bool:
 
 def entity_identifiability(task: str, title: str = "") -> bool:
     """The rule for entity identifiability: the task names a capitalised name, or a word of the source's title."""
-    return bool(task_names(task)) or any(mentions_folded(task, w) for w in title_words(title))
+    return bool(names_in(task)) or any(mentions_folded(task, w) for w in title_words(title))
 
 
 def source_relevance(task: str, source_document: str) -> bool:
     """The rule for source relevance: a name of the task (the whole name or one of its name words) occurs in the
     source document, or the task holds a word of the source's title; whole words, any case, any accents."""
-    for name in task_names(task):
-        words = [name, *(w for w in name.split() if _is_name_word(w))]
+    for name in names_in(task):
+        words = [name, *(w for w in name.split() if is_name_word(w))]
         if any(mentions_folded(source_document, w) for w in words):
             return True
     return any(mentions_folded(task, w) for w in title_words(title_of(source_document)))
