@@ -29,7 +29,8 @@ def main() -> None:
     parser.add_argument("--params", default="params/smoke.yaml")
     parser.add_argument("-o", "--override", action="append", default=[])
     args = parser.parse_args()
-    from scope_lib.selfplay.loop import build_pool, open_run, train_challenger, train_solver
+    from scope_lib.selfplay.loop import open_run
+    from scope_lib.selfplay.methods.scope import build_pool, train_challenger, train_solver
     from scope_lib.smoke.warm_start import prepare
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -796,6 +796,9 @@ class Params(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     learning_check: LearningCheckConfig = Field(default_factory=LearningCheckConfig)
+    method: str = Field(
+        "scope", min_length=1, description="The self-play method: 'scope' (the paper), or another registered in "
+        "`scope_lib.selfplay.methods.METHODS` (checked when a run opens; docs/methods.md).")
 
     #: Models built by a step above the loader (the smoke warm start): model name -> local folder. Not a
     #: parameter (never saved or compared); `scope_lib.models.loading.model_source` reads it.

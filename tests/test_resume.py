@@ -20,7 +20,8 @@ from training_helpers import FAST, AlternatingEngine, comparable, fast_params, l
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.runs import read_jsonl
 from scope_lib.selfplay.judge import Judge
-from scope_lib.selfplay.loop import build_pool, open_run, train_challenger
+from scope_lib.selfplay.loop import open_run
+from scope_lib.selfplay.methods.scope import build_pool, train_challenger
 
 REPO = Path(__file__).resolve().parents[1]
 #: Turn budgets that fit the scripted protocol text (in-process Stage 1) and keep the random model's turns short.

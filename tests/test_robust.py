@@ -262,7 +262,8 @@ def prepared(tmp_path_factory, wiki_sample, tiny_model_dir):
     """(params, policy, engine, run) of a run with Stage 1 and the task pool done."""
     from scope_lib.protocol.dialects import get_dialect
     from scope_lib.selfplay.judge import Judge
-    from scope_lib.selfplay.loop import build_pool, open_run, train_challenger
+    from scope_lib.selfplay.loop import open_run
+    from scope_lib.selfplay.methods.scope import build_pool, train_challenger
 
     params = fast_params(tmp_path_factory.mktemp("robust"), wiki_sample.parent,
                          **{"selfplay.max_candidate_batches": 3, "selfplay.target_tasks": 12})
@@ -276,7 +277,7 @@ def prepared(tmp_path_factory, wiki_sample, tiny_model_dir):
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_pool_record_damaged_in_the_middle_is_redone_and_the_pool_equals_the_original(prepared, caplog, damage):
-    from scope_lib.selfplay.loop import build_pool
+    from scope_lib.selfplay.methods.scope import build_pool
 
     params, _policy, _engine, r = prepared
     pool = r.stage(1, "pool")
@@ -308,7 +309,7 @@ def test_a_record_damaged_in_a_finished_stage_stops_the_run_then_is_redone(prepa
     """A finished stage's records are read by later stages (the Solver reads the pool's tasks): a record damaged
     there into other valid JSON is an error naming file and line, never a task dropped in silence; deleting DONE,
     as the error says, redoes it and the pool equals the original (issue 46, item 3)."""
-    from scope_lib.selfplay.loop import build_pool
+    from scope_lib.selfplay.methods.scope import build_pool
 
     _params, _policy, _engine, r = prepared
     pool = r.stage(1, "pool")
@@ -331,7 +332,7 @@ def test_a_record_damaged_in_a_finished_stage_stops_the_run_then_is_redone(prepa
 
 
 def test_a_pool_written_before_checksums_resumes_with_nothing_lost_or_duplicated(prepared):
-    from scope_lib.selfplay.loop import build_pool
+    from scope_lib.selfplay.methods.scope import build_pool
 
     _params, _policy, _engine, r = prepared
     pool = r.stage(1, "pool")

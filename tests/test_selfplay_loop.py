@@ -11,7 +11,8 @@ from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.runs import read_jsonl
 from scope_lib.selfplay.judge import Judge
-from scope_lib.selfplay.loop import build_pool, open_run, run, train_challenger
+from scope_lib.selfplay.loop import open_run, run
+from scope_lib.selfplay.methods.scope import build_pool, train_challenger
 from scope_lib.selfplay.tasks import TaskEvaluation, solver_format
 
 DIALECT = get_dialect("qwen2.5")
@@ -358,7 +359,7 @@ def test_grpo_seed_makes_a_replicate_on_the_same_documents():
     documents, held-out tail included, follow `selfplay.seed` alone; the default shifts nothing."""
     from scope_lib.config import validate_params
     from scope_lib.retrieval.corpus import Passage, document_range, held_out_documents
-    from scope_lib.selfplay.loop import stage_seed
+    from scope_lib.selfplay.harness import stage_seed
 
     first = validate_params({"selfplay": {"seed": 7}})
     second = validate_params({"selfplay": {"seed": 7}, "grpo": {"seed": 43}})

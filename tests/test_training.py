@@ -17,6 +17,7 @@ from scope_lib.config import ParamsError
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.runs import Stage
 from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.methods.scope import SCOPE
 from scope_lib.selfplay.rollout import make_challenger_prompts
 from scope_lib.selfplay.training import (
     DeviceLogProb,
@@ -40,7 +41,8 @@ def challenger_stage(policy, retriever, passages, tmp_path, dialect="qwen2.5"):
     dialect = get_dialect(dialect)
     engine = AlternatingEngine(policy.tokenizer, dialect)
     ctx = StageContext(policy.params, 1, "challenger", policy, retriever, dialect, Judge(engine, policy.params.judge,
-                       seed=0), Stage(tmp_path / "iter_01" / "challenger"), seed=7, engine=engine)
+                       seed=0), Stage(tmp_path / "iter_01" / "challenger"), seed=7, engine=engine,
+                       rules=SCOPE.role_rules("challenger"))
     prompts = make_challenger_prompts(passages[:4], ["long_form_qa", "planning"], [1, 1], seed=7,
                                       tokenizer=policy.tokenizer, document_max_tokens=96, id_prefix="i01-c")
     return ctx, {p.id: p for p in prompts}

@@ -24,6 +24,7 @@ from scope_lib.models.loading import load_training_model
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.runs import Stage, read_jsonl
 from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.methods.scope import SCOPE
 from scope_lib.selfplay.policy import ROLES, Policy
 from scope_lib.selfplay.rollout import make_challenger_prompts
 from scope_lib.selfplay.training import StageContext, train_role
@@ -217,7 +218,8 @@ def test_four_bit_loading_trains_the_adapter_on_cpu(tmp_path, wiki_sample, tiny_
     engine = AlternatingEngine(policy.tokenizer, dialect)
     stage = Stage(tmp_path / "iter_01" / "challenger")
     ctx = StageContext(params, 1, "challenger", policy, build_or_open_index(params, progress=False), dialect,
-                       Judge(engine, params.judge, seed=0), stage, seed=7, engine=engine)
+                       Judge(engine, params.judge, seed=0), stage, seed=7, engine=engine,
+                       rules=SCOPE.role_rules("challenger"))
     prompts = make_challenger_prompts(passages[:4], ["long_form_qa", "planning"], [1, 1], seed=7,
                                       tokenizer=policy.tokenizer, document_max_tokens=96, id_prefix="i01-c")
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}

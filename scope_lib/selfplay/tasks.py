@@ -324,7 +324,7 @@ def candidate_batch(documents: list, *, params: Params, engine: Engine, retrieve
                     n_solver: int, challenger_adapter: str | None, solver_adapter: str | None,
                     grading_temperature: float, filtering: bool = False,
                     share: Callable[[list[ChallengerPrompt]], list[ChallengerPrompt]] | None = None) -> CandidateBatch:
-    """The task pool's batch step, for the pool (`selfplay.loop.build_pool`) and the learning check's held-out set:
+    """The task pool's batch step, for the pool (`selfplay.methods.scope.build_pool`) and the learning check's held-out set:
     one Challenger prompt per document, the Challenger's rollouts (`challenger_adapter`; None: M0), then
     `evaluate_tasks` with `n_solver` Solver rollouts each (`solver_adapter`) graded at `grading_temperature`.
     `share` picks this process's share of the prompts (`ranks.share`; default all of them)."""

@@ -15,8 +15,8 @@
   adapter called "default" and, for one with that name, measures KL against a copy of it, not against M0.
 - `rollout_func` drives `scope_lib.selfplay.rollout.run_rollouts`: TRL hands it every prompt G times; it returns one row
   per entry, in order, with the turn-end token appended under mask 0 and the trajectory record as an extra
-  field. The reward function scores the records (Stage 1: `evaluate_tasks`; Stage 3: `grade_rollouts` +
-  `solver_rewards`): one batched Judge call per stage. A row that never ran (its prompt did not fit) gets None:
+  field. The reward function scores the records by the method's `RoleRules` (`selfplay.methods`; SCOPE's Stage 1:
+  `evaluate_tasks`; Stage 3: `grade_rollouts` + `solver_rewards`): one batched Judge call per stage. A row that never ran (its prompt did not fit) gets None:
   TRL gives it advantage 0 and keeps it out of its group's baseline.
 - Qwen3 re-renders each turn without earlier thinking, so a trajectory is not one token stream: each
   assistant turn becomes its own training row sharing the trajectory's advantage (App. E; ScopeGRPOTrainer).
@@ -36,14 +36,13 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 
 from scope_lib.config import Params, ParamsError  # noqa: E402
 from scope_lib.models.engine import Engine  # noqa: E402
-from scope_lib.protocol import rewards  # noqa: E402
 from scope_lib.protocol.dialects import Dialect  # noqa: E402
 from scope_lib.runs import Stage, safe_point, writing  # noqa: E402
 from scope_lib.selfplay import health, ranks  # noqa: E402
@@ -51,21 +50,11 @@ from scope_lib.selfplay.checkpoints import checkpoint_step, latest_checkpoint, m
 from scope_lib.selfplay.judge import Judge  # noqa: E402
 from scope_lib.selfplay.policy import AdapterSync, Policy, check_role, serves_adapters
 from scope_lib.selfplay.rollout import (
-    ChallengerPrompt,
+    RolloutLimits,
     RolloutStats,
     Trajectory,
-    challenger_messages,
-    new_trajectory,
     per_turn_datums,
     run_rollouts,
-    solver_messages,
-)
-from scope_lib.selfplay.tasks import (
-    challenger_limits,
-    evaluate_tasks,
-    grade_rollouts,
-    solver_limits,
-    solver_rewards,
 )
 
 log = logging.getLogger(__name__)
@@ -429,21 +418,48 @@ class StageContext:
     solver_adapter: str | None = "solver"   # S_{t-1} for Stage 1's difficulty estimate
     engine: Engine | None = None             # rollouts (default: the policy's engine)
     alarms: list[dict] = field(default_factory=list)
+    rules: RoleRules | None = None           # the method's rules for this role (`Method.role_rules`)
 
     @property
     def rollout_engine(self) -> Engine:
         return self.engine or self.policy.engine
 
 
+class RoleRules(Protocol):
+    """One role of a self-play method (`selfplay.methods`): what it sees, its rollout budgets, how its rollouts are
+    verified and rewarded. The shared training core (`RoleSession`, `train_role`) calls these and nothing
+    method-specific."""
+
+    #: Record logs this role's stage writes besides `rollouts` (SCOPE's Challenger: `solver_rollouts`).
+    extra_records: tuple[str, ...]
+
+    def limits(self, params: Params) -> RolloutLimits:
+        """Turn and token budgets of the role's training rollouts."""
+
+    def new_trajectory(self, ctx: StageContext, item_id: str, item: Any, traj_id: str) -> Trajectory:
+        """A fresh rollout of dataset row `item_id` (`item`: the stage's prompt or pooled task): what the role sees."""
+
+    def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
+                ) -> tuple[list[float | None], dict[str, Any]]:
+        """Every row's reward (None for a row that never ran) and the step's numbers; the step's records go to
+        `session.unwritten[<log name>]` (`rollouts` and `extra_records`)."""
+
+
 class RoleSession:
-    """rollout_func, reward function and per-step metrics of one role's stage. `items` maps dataset ids to a
-    ChallengerPrompt (Stage 1) or a pooled TaskEvaluation (Stage 3)."""
+    """rollout_func, reward function and per-step metrics of one role's stage, over the method's rules for the role
+    (`ctx.rules`). `items` maps dataset ids to what the rules read (SCOPE: a ChallengerPrompt in Stage 1, a pooled
+    TaskEvaluation in Stage 3)."""
 
     def __init__(self, ctx: StageContext, items: dict[str, Any]):
+        if ctx.rules is None:
+            raise ValueError(f"StageContext of the {ctx.role} stage has no rules: give it the method's "
+                             "(`selfplay.methods.method_for(params).role_rules(role)`)")
         self.ctx = ctx
+        self.rules = ctx.rules
         self.items = items
         self.records = ctx.stage.records("rollouts")
-        self.solver_records = ctx.stage.records("solver_rollouts") if ctx.role == "challenger" else None
+        self.solver_records = (ctx.stage.records("solver_rollouts") if "solver_rollouts" in self.rules.extra_records
+                               else None)
         self.metrics = ctx.stage.records("metrics")
         self.pending: dict[int, dict[str, Any]] = {}
         self.unwritten: dict[str, list[dict[str, Any]]] = {}  # this step's records, until the main rank writes
@@ -461,8 +477,11 @@ class RoleSession:
         trajectories = []
         for item_id in prompts:  # TRL repeats each prompt G times: the copies are the group
             j = seen[item_id] = seen.get(item_id, -1) + 1
-            trajectories.append(self._new_trajectory(item_id, f"{item_id}/t{step:03d}/g{j}"))
-        limits = challenger_limits(ctx.params) if ctx.role == "challenger" else solver_limits(ctx.params)
+            item = self.items.get(item_id)
+            if item is None:
+                raise KeyError(f"training row {item_id!r} is not in this stage's prompts")
+            trajectories.append(self.rules.new_trajectory(ctx, item_id, item, f"{item_id}/t{step:03d}/g{j}"))
+        limits = self.rules.limits(ctx.params)
         limits.seed = ctx.seed * 1000 + step + 100_000 * ranks.rank()  # rank 0 keeps the 1-process seeds
         stats = run_rollouts(trajectories, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                              adapter=ctx.role)
@@ -478,10 +497,7 @@ class RoleSession:
         started = time.perf_counter()
         judge_before = self.ctx.judge.stats.totals()
         trajectories = [Trajectory.from_record(r) for r in trajectory]
-        if self.ctx.role == "challenger":
-            values, metrics = self._challenger_rewards(trajectories, step)
-        else:
-            values, metrics = self._solver_rewards(trajectories, step)
+        values, metrics = self.rules.rewards(self, trajectories, step)
         if shuffles_rewards(self.ctx.params.grpo.reward_control, self.ctx.role):  # the learning check's control
             values = permute_rewards(values, control_seed(self.ctx.seed, step, ranks.rank()))
             for record, given in zip(self.unwritten["rollouts"], values, strict=True):
@@ -509,87 +525,6 @@ class RoleSession:
             for name, records in (("rollouts", self.records), ("solver_rollouts", self.solver_records)):
                 if records is not None:
                     records.append(rec for written, _ in shares for rec in written.get(name, []))
-
-    # -- the two rewards ------------------------------------------------------------------------------
-    def _challenger_rewards(self, trajectories: list[Trajectory], step: int):
-        ctx = self.ctx
-        ran = [t for t in trajectories if not never_ran(t)]
-        evals, graded, solver_stats = evaluate_tasks(
-            ran, self.items, params=ctx.params, judge=ctx.judge, solver_engine=ctx.rollout_engine,
-            retriever=ctx.retriever, dialect=ctx.dialect, n_solver=ctx.params.selfplay.solver_rollouts_train,
-            solver_adapter=ctx.solver_adapter, seed=ctx.seed * 1000 + 500 + step)
-        by_id = {e.challenger_id: e for e in evals}
-        values = [by_id[t.id].reward if t.id in by_id else None for t in trajectories]
-        self.unwritten["rollouts"] = [{"id": t.id, "iteration": ctx.iteration, "step": step + 1, "reward": value,
-                             "evaluation": by_id[t.id].to_record() if t.id in by_id else None,
-                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True)]
-        self.unwritten["solver_rollouts"] = [{"id": g.trajectory.id, "iteration": ctx.iteration, "step": step + 1,
-                                    "task_id": g.trajectory.meta["challenger_id"], "verdicts": g.verdicts,
-                                    "rubric_score": g.rubric_score, "trajectory": g.trajectory.to_record()}
-                                   for g in graded]
-        gated = [e for e in evals if e.gates]
-        scored = [e.mean_score for e in evals if e.mean_score is not None]
-        c = ctx.params.challenger
-        return values, {
-            **_reward_stats(values),
-            "format": _mean([e.format.total for e in evals]),
-            "format_think": _mean([e.format.think for e in evals]),
-            "format_tool": _mean([e.format.tool for e in evals]),
-            "format_structure": _mean([e.format.structure for e in evals]),
-            "task_rate": _mean([e.task is not None for e in evals]),
-            "gate_pass_rate": _mean([e.gates_passed for e in gated]) if gated else None,
-            "mean_rubric_score": _mean(scored) if scored else None,
-            "difficulty": _mean([rewards.difficulty_reward(g, c.difficulty_target, c.reward_shape)
-                                 for g in scored]) if scored else None,
-            "solver_rollouts": len(graded), "solver_rollout_s": solver_stats.total_s,
-            "solver_stops_in_thinking": solver_stats.stops_in_thinking}
-
-    def _solver_rewards(self, trajectories: list[Trajectory], step: int):
-        ctx = self.ctx
-        ran = [t for t in trajectories if not never_ran(t)]
-        graded = grade_rollouts(ran, {t.meta["challenger_id"]: self.items[t.meta["task_id"]] for t in ran},
-                                ctx.judge)
-        solver_rewards(graded, ctx.params, ctx.dialect, ctx.policy.tokenizer)
-        by_id = {g.trajectory.id: g for g in graded}
-        values = [by_id[t.id].reward if t.id in by_id else None for t in trajectories]
-        s = ctx.params.solver
-        length = rewards.LengthPenalty(s.length_soft, s.length_hard, s.length_floor)
-        answer_tokens = [len(ctx.policy.tokenizer.encode(g.trajectory.answer, add_special_tokens=False))
-                         if g.trajectory.answer else 0 for g in graded]
-        self.unwritten["rollouts"] = [{"id": t.id, "iteration": ctx.iteration, "step": step + 1,
-                             "task_id": t.meta["task_id"], "reward": value,
-                             "rubric_score": by_id[t.id].rubric_score if t.id in by_id else None,
-                             "verdicts": by_id[t.id].verdicts if t.id in by_id else None,
-                             "format": by_id[t.id].format.total if t.id in by_id else None,
-                             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True)]
-        return values, {
-            **_reward_stats(values),
-            "rubric_score": _mean([g.rubric_score for g in graded]),
-            "format": _mean([g.format.total for g in graded]),
-            "format_think": _mean([g.format.think for g in graded]),
-            "format_tool": _mean([g.format.tool for g in graded]),
-            "format_answer": _mean([g.format.answer for g in graded]),
-            "length_multiplier": _mean([length(n) if s.length_penalty else 1.0 for n in answer_tokens]),
-            "search_reward": _mean([rewards.search_reward(
-                ctx.dialect.count_searches(g.trajectory.turns, starts_in_think=g.trajectory.opens_think)[0],
-                s.search_saturation) for g in graded]),
-            "answer_tokens": _mean(answer_tokens)}
-
-    def _new_trajectory(self, item_id: str, traj_id: str) -> Trajectory:
-        ctx, tok = self.ctx, self.ctx.policy.tokenizer
-        item = self.items.get(item_id)
-        if item is None:
-            raise KeyError(f"training row {item_id!r} is not in this stage's prompts")
-        if ctx.role == "challenger":
-            prompt: ChallengerPrompt = item
-            return new_trajectory(traj_id, "challenger", challenger_messages(prompt, ctx.dialect), tok,
-                                  expected_searches=prompt.expected_searches,
-                                  meta={"prompt_id": prompt.id, "document_id": prompt.document_id,
-                                        "task_type": prompt.task_type})
-        s = ctx.params.solver
-        return new_trajectory(traj_id, "solver", solver_messages(item.task, ctx.dialect, s.max_searches, s.prompt),
-                              tok, max_searches=s.max_searches,
-                              meta={"task_id": item_id, "challenger_id": item.challenger_id})
 
     # -- per-step metrics ---------------------------------------------------------------------------
     def log_step(self, step: int, trl_logs: dict[str, float], step_s: float) -> dict[str, Any] | None:
@@ -681,12 +616,12 @@ def _rollout_times(stats: RolloutStats) -> dict[str, float]:
             "retrieval_calls": stats.retrieval_calls, "generated_tokens": stats.generated_tokens}
 
 
-def _reward_stats(values: list[float | None]) -> dict[str, Any]:
+def reward_stats(values: list[float | None]) -> dict[str, Any]:
     scored = [v for v in values if v is not None]
-    return {"reward": _mean(scored) if scored else None, "unscored_rows": len(values) - len(scored)}
+    return {"reward": mean_of(scored) if scored else None, "unscored_rows": len(values) - len(scored)}
 
 
-def _mean(values) -> float | None:
+def mean_of(values) -> float | None:
     values = [float(v) for v in values]
     return sum(values) / len(values) if values else None
 
