@@ -171,6 +171,9 @@ class ModelConfig(Section):
     finetuning: Literal["lora", "full"] = Field(
         "lora", description="'lora': Challenger and Solver are adapters on one frozen M0 (one GPU); "
         "'full': separate weights, as in the paper (Appendix E).")
+    shared_policy: bool = Field(
+        False, description="One policy plays both roles (SPICE, SSP, SCORE): one LoRA adapter, or one copy of M0, "
+        "trained on both roles' batches and saved by each role's stage; False: one per role (SCOPE, the paper).")
     lora_rank: int = Field(64, ge=1, description="LoRA rank r (LoRA mode only).")
     lora_alpha: int = Field(128, ge=1, description="LoRA scaling alpha.")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")

@@ -371,3 +371,32 @@ def test_grpo_seed_makes_a_replicate_on_the_same_documents():
     for p in (first, second):  # documents and the held-out tail: selfplay.seed's
         assert document_range(passages, 0, 10, p.selfplay.seed) == document_range(passages, 0, 10, 7)
         assert held_out_documents(passages, 5, p.selfplay.seed) == held_out_documents(passages, 5, 7)
+
+
+def test_a_shared_policy_trains_one_adapter_on_both_roles_and_resumes_from_the_newest(tmp_path, wiki_sample,
+                                                                                      tiny_model_dir, retriever):
+    """`model.shared_policy` (issue 48, item 2): one LoRA adapter plays both roles; Stage 1 and Stage 3 each train
+    it and save it in their folder; a new process restores the newest finished stage's weights (Stage 3's) into it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from scope_lib.selfplay.loop import science_yaml
+
+    params = fast_params(tmp_path, wiki_sample.parent, **{"model.shared_policy": True, "selfplay.iterations": 1})
+    parts = components(params, tiny_model_dir, retriever)
+    policy = parts["policy"]
+    assert list(policy.model.peft_config) == ["policy"]
+    assert policy.state("challenger").keys() == policy.state("solver").keys()      # one set of weights, two names
+    run(params, **parts)
+    folder = params.run_dir / "iter_01"
+    assert stage_summary(params, 1, "solver")["steps"] == params.selfplay.steps_per_role
+    challenger = load_file(folder / "challenger" / "adapter" / "adapter_model.safetensors")
+    solver = load_file(folder / "solver" / "adapter" / "adapter_model.safetensors")
+    assert challenger.keys() == solver.keys()
+    assert any(not torch.equal(challenger[k], solver[k]) for k in challenger)     # Stage 3 trained Stage 1's further
+    final = policy.state("challenger")
+    resumed = open_run(params, **components(params, tiny_model_dir, retriever)).policy
+    restored = resumed.state("solver")
+    assert all(torch.equal(restored[k], final[k]) for k in final)
+    assert "shared_policy" in (params.run_dir / "params.yaml").read_text()
+    assert "shared_policy" in science_yaml(params)                                 # a shared run hashes apart

@@ -338,3 +338,14 @@ def test_the_logprob_fallback_keeps_triton_for_gpu_tensors_only(monkeypatch):
 
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", OtherDispatch)
     assert not install_logprob_fallback() and trl_utils._ChunkedLogProbFunction is OtherDispatch
+
+
+def test_a_shared_full_policy_is_one_copy_of_m0_under_both_roles(params, tiny_model_dir):
+    """`model.shared_policy` with full fine-tuning: one trainable copy of M0 plays both roles; the Judge stays M0."""
+    shared = params.model_copy(update={"model": params.model.model_copy(update={"shared_policy": True})})
+    policy = load_policy(shared, tiny_model_dir, finetuning="full")
+    assert policy.trainable("challenger") is policy.trainable("solver") is policy.models["solver"]
+    assert policy.models["solver"] is not policy.base
+    assert policy.engine.engines["challenger"] is policy.engine.engines["solver"]
+    assert policy.engine.engines[None].model is policy.base
+

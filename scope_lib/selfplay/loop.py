@@ -138,7 +138,7 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
     count: a finished run continues with more). Options added after runs existed are left out at their default
     (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `method:
-    scope`, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
+    scope`, `model.shared_policy: false`, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
     left the hash, for runs started then."""
     import yaml
 
@@ -157,6 +157,8 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
         science["judge"].pop("gates_by")
     if science["method"] == "scope":
         science.pop("method")
+    if not science["model"]["shared_policy"]:
+        science["model"].pop("shared_policy")
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)
@@ -176,19 +178,21 @@ def _started_with_iterations(params: Params) -> int | None:
 
 def _restore_roles(run: SelfPlayRun) -> None:
     """Load each trained role's newest finished checkpoint (a new process resuming, or a later iteration): the
-    newest finished stage that trains it, over the method's stages."""
+    newest finished stage that trains it, over the method's stages. With a shared policy both roles are one set
+    of weights: the newest stage that trains either."""
     trained = [(t, spec) for t in range(1, run.params.selfplay.iterations + 1) for spec in run.method.stages
                if spec.trains]
-    restored: set[str] = set()
+    restored: set[str] = set()  # the adapters (one per role, or the one shared) already loaded
     for t, spec in reversed(trained):
-        if spec.trains in restored:
+        weights = run.policy.adapters[spec.trains]
+        if weights in restored:
             continue
         stage = run.stage(t, spec.name)
         saved = [stage.path / name for name in ("adapter", "model") if (stage.path / name).is_dir()]
         if stage.done and saved:
             stage.verify()  # checksums of DONE; load_role checks the tensors parse and are finite
             run.policy.load_role(spec.trains, saved[0])
-            restored.add(spec.trains)
+            restored.add(weights)
 
 
 def run(params: Params, *, iterations: int | None = None, **components) -> SelfPlayRun:

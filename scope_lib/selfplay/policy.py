@@ -1,7 +1,9 @@
 """The policy: M0 and the two roles. In LoRA mode (one GPU) Challenger and Solver are two adapters on one frozen
 M0, made by PEFT or by Unsloth (`model.loader`); the Judge and the reference policy are M0 with the adapters
-off. In full fine-tuning mode (the paper's) each role has its own weights. `AdapterSync` publishes the trained
-adapter to a serving engine after every optimiser step (vLLM, `vllm serve`).
+off. In full fine-tuning mode (the paper's) each role has its own weights. With `model.shared_policy` (SPICE, SSP,
+SCORE) one policy plays both roles: one adapter, `policy` (or one copy of M0), trained on both roles' batches,
+saved by each role's stage and generating under either role's name. `AdapterSync` publishes the trained adapter to
+a serving engine after every optimiser step (vLLM, `vllm serve`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 
 ROLES: tuple[str, ...] = ("challenger", "solver")
 
+#: The one adapter both roles train and generate with under `model.shared_policy`.
+SHARED_ADAPTER = "policy"
+
 
 class RoleEngine:
     """One Engine over several models (full fine-tuning): `adapter` names the role, None is M0 (the Judge)."""
@@ -46,31 +51,56 @@ class RoleEngine:
         return self.engines[adapter].generate(prompt_token_ids, sampling)
 
 
+class SharedAdapterEngine:
+    """An engine over a PeftModel with one adapter that both roles use (`model.shared_policy`): a role's name
+    generates with that adapter, None with M0 (the Judge); everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Engine, adapters: dict[str, str]):
+        self.engine, self.adapters = engine, adapters
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling,
+                 adapter: str | None = None) -> list[Completion]:
+        return self.engine.generate(prompt_token_ids, sampling, adapter=self.adapters.get(adapter, adapter))
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
 class Policy:
-    """M0 with a Challenger and a Solver. LoRA: `model` is one PeftModel holding both adapters. Full: `models`
-    holds a copy of M0 per role and `base` the frozen M0 (Judge and reference)."""
+    """M0 with a Challenger and a Solver. LoRA: `model` is one PeftModel holding both adapters (one, `policy`,
+    with `model.shared_policy`). Full: `models` holds a copy of M0 per role (one copy under both names when shared)
+    and `base` the frozen M0 (Judge and reference)."""
 
     def __init__(self, params: Params, base, tokenizer, *, seed: int = 0):
         self.params = params
         self.tokenizer = tokenizer
         self.finetuning = params.model.finetuning
+        self.shared = params.model.shared_policy
+        #: role -> the adapter (LoRA) that holds its weights: itself, or the one shared adapter
+        self.adapters = {role: SHARED_ADAPTER if self.shared else role for role in ROLES}
         self.base = base
         base.requires_grad_(False)
         device = str(next(base.parameters()).device)
         length, chunk = params.model.max_model_len, params.engine.max_batch_size
         if self.finetuning == "lora":  # PEFT or Unsloth (`model.loader`); B starts at 0: each role starts at M0
-            self.model = add_role_adapters(base, params, ROLES, seed=seed)
+            self.model = add_role_adapters(base, params, tuple(dict.fromkeys(self.adapters.values())), seed=seed)
             self.models: dict[str, Any] = {}
             self.engine: Engine = HFEngine(self.model, tokenizer, max_model_len=length, max_batch_size=chunk)
+            if self.shared:
+                self.engine = SharedAdapterEngine(self.engine, self.adapters)
         else:
             import copy
 
             self.model = None
-            self.models = {role: copy.deepcopy(base).requires_grad_(True) for role in ROLES}
+            shared = copy.deepcopy(base).requires_grad_(True) if self.shared else None
+            self.models = {role: shared if shared is not None else copy.deepcopy(base).requires_grad_(True)
+                           for role in ROLES}
+            engines = {id(m): HFEngine(m, tokenizer, max_model_len=length, max_batch_size=chunk)
+                       for m in self.models.values()}
             self.engine = RoleEngine({None: HFEngine(base, tokenizer, max_model_len=length, max_batch_size=chunk),
-                                      **{r: HFEngine(m, tokenizer, max_model_len=length, max_batch_size=chunk)
-                                         for r, m in self.models.items()}})
-        log.info("policy: %s fine-tuning of %s on %s", self.finetuning, params.model.base, device)
+                                      **{r: engines[id(m)] for r, m in self.models.items()}})
+        log.info("policy: %s fine-tuning of %s on %s%s", self.finetuning, params.model.base, device,
+                 " (one policy plays both roles)" if self.shared else "")
 
     @classmethod
     def load(cls, params: Params, *, seed: int | None = None) -> Policy:
@@ -85,7 +115,7 @@ class Policy:
         gradients), or the role's own copy of M0."""
         check_role(role)
         if self.finetuning == "lora":
-            self.model.set_adapter(role)
+            self.model.set_adapter(self.adapters[role])
             return self.model
         return self.models[role]
 
@@ -110,8 +140,8 @@ class Policy:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             if self.finetuning == "lora":
-                self.model.save_pretrained(tmp, selected_adapters=[role], state_dict=state_dict)
-                saved = tmp / role  # PEFT writes adapters other than "default" into a subfolder
+                self.model.save_pretrained(tmp, selected_adapters=[self.adapters[role]], state_dict=state_dict)
+                saved = tmp / self.adapters[role]  # PEFT writes adapters other than "default" into a subfolder
             else:
                 self.models[role].save_pretrained(tmp, state_dict=state_dict)
                 self.tokenizer.save_pretrained(tmp)
@@ -133,7 +163,7 @@ class Policy:
             weights = folder / "adapter_model.safetensors"
             if not weights.is_file():
                 raise FileNotFoundError(f"{folder}: no adapter_model.safetensors (saved with Policy.save?)")
-            result = set_peft_model_state_dict(self.model, load_weights(weights), adapter_name=role)
+            result = set_peft_model_state_dict(self.model, load_weights(weights), adapter_name=self.adapters[role])
             unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
             if unexpected:
                 raise ValueError(f"{folder}: adapter weights do not fit this model ({unexpected[:3]} ...)")
@@ -148,18 +178,20 @@ class Policy:
 
     def publish(self, role: str, folder: str | os.PathLike, engine, version: int | None = None) -> Path:
         """Save the role and register it with a serving engine (vLLM in this process, or a `vllm serve` through
-        the OpenAI engine), which then generates for it under the role's name."""
+        the OpenAI engine), which then generates for it under the role's name (and, with a shared policy, for
+        every role that shares its weights)."""
         path = self.save(role, folder)
-        if isinstance(engine, _http_engine_type()):
-            engine.add_adapter(role, path, version=version)
-        else:
-            engine.add_adapter(role, path)
+        for name in [r for r in ROLES if self.adapters[r] == self.adapters[role]]:
+            if isinstance(engine, _http_engine_type()):
+                engine.add_adapter(name, path, version=version)
+            else:
+                engine.add_adapter(name, path)
         return path
 
     def state(self, role: str) -> dict[str, torch.Tensor]:
         """A copy of the role's trainable weights (tests compare them before and after a step)."""
         if self.finetuning == "lora":
-            return {n: p.detach().clone() for n, p in self.model.named_parameters() if f".{role}." in n}
+            return {n: p.detach().clone() for n, p in self.model.named_parameters() if f".{self.adapters[role]}." in n}
         return {n: p.detach().clone() for n, p in self.models[role].named_parameters()}
 
 
