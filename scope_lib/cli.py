@@ -19,6 +19,10 @@
     scope learning-check build PARAMS            the held-out task set (M0's tasks on documents training never samples)
     scope learning-check evaluate PARAMS --checkpoint base iter_01/solver   per-task scores on it -> the set's cache
     scope learning-check compare PARAMS --after iter_01/solver [--control RUN/iter_01/solver]   gain, 95% CI, verdict
+    scope learning-check compare PARAMS --role challenger --after iter_02/challenger [--control C] [--frozen C]
+                                                 the Challenger's check: window share over M0's Challenger, verdict
+    scope learning-check play PARAMS --challenger base iter_01/challenger --solver base iter_01/solver
+                                                 held-out cross-checkpoint play: Challenger_i's tasks x Solver_j
 
 train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
 (bad parameters, a missing or damaged file, disk full, permissions, a locked run, a server down) ends in one
@@ -353,12 +357,69 @@ def _judge_free_lines(check) -> list[str]:
     return lines
 
 
+def _challenger_compare(args, params) -> int:
+    """`compare --role challenger`: each Challenger's measures, every change with its interval, the verdict."""
+    from scope_lib.evaluation.challenger_check import (
+        LABELS,
+        MEASURES,
+        PAIRS,
+        check_path,
+        run_challenger_check,
+    )
+
+    metric = args.metric or "in_window"
+    if metric not in ("in_window", "distance"):
+        raise ParamsError(f"--metric {metric} is the Solver's: the Challenger's check takes in_window or distance")
+    check = run_challenger_check(params, args.after, before=args.before, control=args.control, frozen=args.frozen,
+                                 solver=args.solver, metric=metric)
+    roles = list(check.evaluations)
+    print(f"Challengers on {len(check.evaluations['after'].documents)} held-out documents, answered by "
+          f"{check.solver} (K = {params.learning_check.samples}):")
+    print(f"{'measure':<24} " + " ".join(f"{check.evaluations[r].challenger[:26]:>26}" for r in roles))
+    for m in MEASURES:
+        means = [check.evaluations[r].mean(m) for r in roles]
+        print(f"{LABELS[m]:<24} " + " ".join(f"{'-' if v is None else f'{v:.3f}':>26}" for v in means))
+    print(f"{'change [95% CI] n':<24} " + " ".join(f"{name:<32}" for name in check.comparisons))
+    for m in MEASURES:
+        cells = []
+        for name in check.comparisons:
+            c = check.comparisons[name][m]
+            cells.append("-" if c is None else f"{c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}] n={c.n_tasks}")
+        print(f"{LABELS[m]:<24} " + " ".join(f"{cell:<32}" for cell in cells))
+    print("(" + "; ".join(f"{name}: {a} - {b}" for name, (b, a) in PAIRS.items() if name in check.comparisons) + ")")
+    for c in ([check.grader] if check.grader else []) + (check.stages.configured() if check.stages else []):
+        print(f"judge: {c.judge}: {c.numbers()} -> {'trusted' if c.trusted else 'UNTRUSTED'}")
+    print(check.verdict.reason)
+    after, before = check.evaluations["after"].challenger, check.evaluations["before"].challenger
+    print(f"written: {check_path(params, after, before, check.solver)}")
+    return 0
+
+
+def cmd_check_play(args) -> int:
+    from scope_lib.evaluation.challenger_check import cross_play
+
+    params = _torch_params(args, models=True)
+    play = cross_play(params, args.challenger, args.solver)
+    print("mean rubric score of Solver j (columns) on Challenger i's held-out tasks (rows), and each Challenger's "
+          "gate pass rate:")
+    print(play.table().to_string(float_format=lambda v: f"{v:.3f}"))
+    print(f"written: {params.run_dir / 'learning_check' / 'cross_play.json'}")
+    return 0
+
+
 def cmd_check_compare(args) -> int:
     from scope_lib.evaluation.learning_check import run_check
 
     params = _torch_params(args, models=True)
     if args.accept_untrusted_judge:
         params.learning_check.accept_untrusted_judge = True
+    if args.role == "challenger":
+        return _challenger_compare(args, params)
+    if args.frozen is not None or args.solver != "base":
+        raise ParamsError("--frozen and --solver belong to --role challenger")
+    args.metric = args.metric or "score"
+    if args.metric not in ("score", "success"):
+        raise ParamsError(f"--metric {args.metric} is the Challenger's: the Solver's check takes score or success")
     check = run_check(params, args.after, before=args.before, control=args.control, metric=args.metric)
     print(f"{'role':<8} {'checkpoint':<28} {'tasks':>5} {'score':>6} {'success':>8} {'gain':>7}  95% CI")
     for row in check.table():
@@ -481,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "params: evaluation.accept_untrusted_judge)")
     ev.set_defaults(func=cmd_eval)
 
-    check = sub.add_parser("learning-check", help="did a run's Solver learn? held-out tasks, a control, a verdict")
+    check = sub.add_parser("learning-check", help="did a run's Solver (or Challenger) learn? held-out tasks, a control, a verdict")
     check = check.add_subparsers(dest="what", required=True)
     with_params(check.add_parser("build", help="build (or reuse) the held-out task set"),
                 positional=True).set_defaults(func=cmd_check_build)
@@ -493,16 +554,31 @@ def build_parser() -> argparse.ArgumentParser:
     check_eval.set_defaults(func=cmd_check_evaluate)
     compare = with_params(check.add_parser("compare", help="paired gain with a 95%% interval, and the verdict"),
                           positional=True)
-    compare.add_argument("--after", required=True, metavar="C", help="the trained checkpoint (e.g. iter_01/solver)")
+    compare.add_argument("--role", choices=["solver", "challenger"], default="solver",
+                         help="whose check: the Solver's (default) or the Challenger's (docs/training.md)")
+    compare.add_argument("--after", required=True, metavar="C",
+                         help="the trained checkpoint (e.g. iter_01/solver, or iter_01/challenger with --role challenger)")
     compare.add_argument("--before", default="base", metavar="C", help="what it is compared with (default base = M0)")
     compare.add_argument("--control", default=None, metavar="C",
-                         help="the same checkpoint of a run trained with -o grpo.reward_control=shuffled")
-    compare.add_argument("--metric", choices=["score", "success"], default="score",
-                         help="per-task mean rubric score (default) or success rate")
+                         help="the same checkpoint of a run trained with -o grpo.reward_control=shuffled (the "
+                         "Challenger's: shuffled_both)")
+    compare.add_argument("--frozen", default=None, metavar="C",
+                         help="--role challenger: the Challenger of the frozen-Challenger ablation "
+                         "(-o selfplay.co_evolution=false), to beat too")
+    compare.add_argument("--solver", default="base", metavar="C",
+                         help="--role challenger: the fixed Solver that answers every Challenger's tasks (default base)")
+    compare.add_argument("--metric", choices=["score", "success", "in_window", "distance"], default=None,
+                         help="the Solver's: per-task mean rubric score (default) or success rate; the Challenger's: "
+                         "window share (default) or mean |g - tau|")
     compare.add_argument("--accept-untrusted-judge", action="store_true",
                          help="call a gain learned even when the Judge's grader failed its calibration probe "
                          "(params: learning_check.accept_untrusted_judge)")
     compare.set_defaults(func=cmd_check_compare)
+    play = with_params(check.add_parser("play", help="cross-checkpoint play on held-out documents: Challenger_i's "
+                                        "tasks x Solver_j's mean score"), positional=True)
+    play.add_argument("--challenger", nargs="+", required=True, metavar="C", help="base, iter_NN/challenger or a path")
+    play.add_argument("--solver", nargs="+", required=True, metavar="C", help="base, iter_NN/solver or a path")
+    play.set_defaults(func=cmd_check_play)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)
     verify = runs.add_parser("verify", help="check every saved checkpoint and record of a run; exit 1 on a damaged one")

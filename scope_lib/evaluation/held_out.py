@@ -229,9 +229,7 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
     from filelock import FileLock
 
     check_reserved(params)
-    base = Path(root) if root is not None else cache_dir("heldout")
-    folder, key, fingerprint = held_out_folder(params, model_id or model_identity(params),
-                                               _corpus_sha256(params, base), base)
+    folder, key, fingerprint = held_out_location(params, model_id, root)
     stage = Stage(folder)
 
     def short() -> bool:  # built, but for fewer tasks than asked while reserved documents remain
@@ -253,15 +251,38 @@ def held_out_set(params: Params, components: CheckComponents | Any = None, *, mo
             if not stage.done:
                 atomic_write_json(folder / "fingerprint.json", fingerprint)
                 stage.mark_done(_build(params, stage, lent(), key, progress))
-    if not (folder / GRADER_PROBE).is_file():
-        with FileLock(str(folder / ".lock")):
-            if not (folder / GRADER_PROBE).is_file():
-                atomic_write_json(folder / GRADER_PROBE, probe_held_out_grader(params, lent()).to_record())
-    if not (folder / STAGE_PROBES).is_file():
-        with FileLock(str(folder / ".lock")):
-            if not (folder / STAGE_PROBES).is_file():
-                atomic_write_json(folder / STAGE_PROBES, probe_held_out_stages(params, lent()).to_record())
+    probe_beside(folder, params, lent)
     return load_held_out(folder, params)
+
+
+def held_out_location(params: Params, model_id: str | None = None, root: str | Path | None = None
+                      ) -> tuple[Path, str, dict[str, Any]]:
+    """(folder, key, fingerprint) of the held-out set these params ask for, `model_id` defaulting to
+    `model_identity(params)` and `root` to the `heldout` cache folder (`held_out_folder`; the corpus hashed once)."""
+    base = Path(root) if root is not None else cache_dir("heldout")
+    return held_out_folder(params, model_id or model_identity(params), _corpus_sha256(params, base), base)
+
+
+def probe_beside(folder: Path, params: Params, lent) -> None:
+    """The frozen Judge's grader probe and its gate and rubric-writer probes, run once and stored in `folder` (the
+    held-out set's) unless there already; `lent()` returns the components, called only when a probe must run."""
+    from filelock import FileLock
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, probe in ((GRADER_PROBE, probe_held_out_grader), (STAGE_PROBES, probe_held_out_stages)):
+        if not (folder / name).is_file():
+            with FileLock(str(folder / ".lock")):
+                if not (folder / name).is_file():
+                    atomic_write_json(folder / name, probe(params, lent()).to_record())
+
+
+def held_out_probes(folder: Path) -> tuple[Calibration | None, StageProbes | None]:
+    """The grader probe and the gate and rubric-writer probes stored in a held-out folder (None where absent)."""
+    grader, stages = Path(folder) / GRADER_PROBE, Path(folder) / STAGE_PROBES
+    return (Calibration.from_record(read_json(grader, "delete it; the next check probes the grader again"))
+            if grader.is_file() else None,
+            StageProbes.from_record(read_json(stages, "delete it; the next check probes the Judge again"))
+            if stages.is_file() else None)
 
 
 #: The frozen Judge's grader probe, stored beside the held-out set it scores.

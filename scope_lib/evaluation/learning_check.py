@@ -412,7 +412,8 @@ class Verdict:
                 "judge_trusted": self.judge_trusted, "judge": self.judge, "judge_free": self.judge_free}
 
 
-def _interval(c: Comparison) -> str:
+def interval_text(c: Comparison) -> str:
+    """A comparison's gain and 95% interval in one phrase: "+0.123 [+0.045, +0.201]"."""
     return f"{c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}]"
 
 
@@ -430,7 +431,7 @@ def learning_verdict(trained: Comparison, control: Comparison | None = None, gra
         over_control = over_control_of(trained, control)
     verdict = _gain_verdict(trained, control, over_control)
     _judge_free_gate(verdict, judge_free)
-    _grader_gate(verdict, grader, accept_untrusted_judge)
+    grader_gate(verdict, grader, accept_untrusted_judge)
     return verdict
 
 
@@ -444,20 +445,20 @@ def _gain_verdict(trained: Comparison, control: Comparison | None, over: Compari
               "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None,
               "over_control": over.gain if over else None, "over_control_ci95": over.ci95 if over else None}
     if lo <= 0:
-        return Verdict("not learned", f"not learned: the gain {_interval(trained)} over {trained.n_tasks} tasks "
+        return Verdict("not learned", f"not learned: the gain {interval_text(trained)} over {trained.n_tasks} tasks "
                        "does not lie above 0 (no gain that can be told from noise)", **common)
     if control is None:
-        return Verdict("not shown", f"not shown: the gain {_interval(trained)} is above 0, but without a "
+        return Verdict("not shown", f"not shown: the gain {interval_text(trained)} is above 0, but without a "
                        "shuffled-reward control it may be drift, not learning: train the same params with "
                        "-o grpo.reward_control=shuffled and give its checkpoint as the control", **common)
     if over is None or over.ci95[0] <= 0:
-        return Verdict("not learned", f"not learned: the gain {_interval(trained)} is above 0, but trained − "
-                       f"control {_interval(over) if over else '(not 2 tasks in common)'} (the control gained "
-                       f"{_interval(control)}) does not lie above 0: the trained run cannot be told from its "
+        return Verdict("not learned", f"not learned: the gain {interval_text(trained)} is above 0, but trained − "
+                       f"control {interval_text(over) if over else '(not 2 tasks in common)'} (the control gained "
+                       f"{interval_text(control)}) does not lie above 0: the trained run cannot be told from its "
                        "shuffled-reward control", **common)
     times = "the control did not gain" if ratio == math.inf else f"{ratio:.1f}x the control's {control.gain:+.3f}"
     target = "meets" if ratio is not None and ratio >= TARGET_RATIO else "below"
-    return Verdict("learned", f"learned: the gain {_interval(trained)} and trained − control {_interval(over)} lie "
+    return Verdict("learned", f"learned: the gain {interval_text(trained)} and trained − control {interval_text(over)} lie "
                    f"above 0 ({times}; {target} the {TARGET_RATIO:g}x target)", **common)
 
 
@@ -470,7 +471,7 @@ def _judge_free_gate(verdict: Verdict, judge_free: JudgeFree | None) -> None:
                             "shows the gain without the grader the Solver trained against")
         return
     gains = judge_free.comparisons.get("trained", {})
-    verdict.judge_free = [f"{LABELS[m]} {_interval(c)}" if c else f"{LABELS[m]} not measurable"
+    verdict.judge_free = [f"{LABELS[m]} {interval_text(c)}" if c else f"{LABELS[m]} not measurable"
                           for m, c in gains.items()]
     if not verdict.learned:
         return
@@ -483,17 +484,17 @@ def _judge_free_gate(verdict: Verdict, judge_free: JudgeFree | None) -> None:
         return
     failed = []
     if recall.ci95[0] <= 0:  # type: ignore[union-attr]
-        failed.append(f"rubric-fact recall did not rise ({_interval(recall)})")  # type: ignore[arg-type]
+        failed.append(f"rubric-fact recall did not rise ({interval_text(recall)})")  # type: ignore[arg-type]
     if precision.ci95[1] < 0:  # type: ignore[union-attr]
         names = gains.get("names")
-        more = f", names per answer {_interval(names)}" if names else ""
-        failed.append(f"name precision against the source document fell ({_interval(precision)}{more})")  # type: ignore[arg-type]
+        more = f", names per answer {interval_text(names)}" if names else ""
+        failed.append(f"name precision against the source document fell ({interval_text(precision)}{more})")  # type: ignore[arg-type]
     if failed:
         verdict.restate("not learned", f"but read without the grader {' and '.join(failed)}: the grader's gain is "
                         "not the rubrics' facts stated from the source")
 
 
-def _grader_gate(verdict: Verdict, grader: Calibration | None, accept_untrusted_judge: bool) -> None:
+def grader_gate(verdict: Verdict, grader: Calibration | None, accept_untrusted_judge: bool) -> None:
     """Scores of an unprobed or untrusted grader show nothing either way: "not shown", whatever the interval."""
     if grader is None:
         verdict.restate("not shown", "but the grader that scored it was never probed (no calibration probe beside "
@@ -599,7 +600,7 @@ def check_training(params: Params, ck: Checkpoint, role: str) -> None:
                           "the control and a run trained on its rewards as the checkpoint to check")
 
 
-def _unique(checkpoints: dict[str, Checkpoint]) -> dict[str, Checkpoint]:
+def unique_names(checkpoints: dict[str, Checkpoint]) -> dict[str, Checkpoint]:
     """Distinct checkpoints get distinct names (adapters are served under their names: two runs'
     'iter_01-solver' must not be taken for each other)."""
     seen: dict[str, tuple] = {}
@@ -622,7 +623,7 @@ def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint
     like `checkpoints` (stored evaluations are read back; no model loads when every one is stored). A key that is a
     role ('after', 'control') is checked for it too (`check_training`). `engine` / `components` / `policies`
     (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
-    resolved = _unique({key: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
+    resolved = unique_names({key: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
                         for key, spec in checkpoints.items()})
     for key, ck in resolved.items():
         check_training(params, ck, key)
