@@ -166,8 +166,12 @@ def test_a_challenger_nearer_the_window_is_found_and_learned_only_above_its_cont
 
 
 def test_identical_challengers_give_zero(planted, params, root):
+    """'twin' is another checkpoint (its own name, folder and stored tasks) with M0's weights: the same seeds for
+    every checkpoint make it write M0's tasks, and every change is exactly 0."""
     _, c = planted
-    check = run_challenger_check(params, checkpoint("base"), control=checkpoint("base"), write=False, **lent(c, root))
+    check = run_challenger_check(params, checkpoint("twin"), control=checkpoint("base"), write=False,
+                                 **lent(c, root, ("base", "twin")))
+    assert check.evaluations["after"].challenger == "twin" and c.engine.calls > 0
     for name, by in check.comparisons.items():
         for measure, comparison in by.items():
             if comparison is not None:
@@ -206,7 +210,7 @@ def test_a_killed_write_resumes_without_losing_or_duplicating_tasks(planted, par
                              seed=params.learning_check.seed, progress=False)
     ids = [e.challenger_id for e in tasks.evaluations]
     assert len(ids) == len(set(ids)) == 12 and [e.task for e in tasks.evaluations] == whole
-    assert (folder / "DONE").is_file()
+    assert (target / "DONE").is_file() and (folder / "DONE").is_file()
     fresh = components(params, retriever, passages, tiny_tokenizer)
     policy = Policy(checkpoint("trained"), fresh.engine, "trained")
     challenger_tasks(params, tmp_path / "fresh", "trained", lambda: policy, lambda: fresh,
@@ -345,3 +349,27 @@ def test_cross_play_matrix_table_and_figure(planted, params, root):
     fig = cross_play_figure(play)
     assert fig.layout.title.text.startswith("Cross-checkpoint play") and fig.layout.xaxis.title.text
     assert list(fig.data[0].y) == ["base", "trained"]
+
+
+def test_asking_for_more_documents_extends_the_tasks_by_whole_batches(planted, params, retriever, passages,
+                                                                      tiny_tokenizer, tmp_path):
+    """Written for 9 documents (batches of 6 and 3), then asked for 12: the first batch is kept, the short last one
+    is written again whole; the tasks are those written for 12 at once."""
+    check, _ = planted
+    fewer = params.model_copy(deep=True)
+    fewer.learning_check.tasks = 9
+    c = components(params, retriever, passages, tiny_tokenizer)
+    policy = Policy(checkpoint("trained"), c.engine, "trained")
+
+    def write(p):
+        return challenger_tasks(p, tmp_path / "trained", "trained", lambda: policy, lambda: c,
+                                seed=params.learning_check.seed, progress=False)
+
+    assert len(write(fewer).evaluations) == 9
+    calls = c.engine.calls
+    grown = write(params)
+    assert [e.task for e in grown.evaluations] == [d.task for d in check.evaluations["after"].documents]
+    assert len({e.challenger_id for e in grown.evaluations}) == 12 and grown.summary["asked"] == 12
+    assert 0 < c.engine.calls - calls < calls                        # only the last batch was written again
+    calls = c.engine.calls
+    assert len(write(fewer).evaluations) == 9 and c.engine.calls == calls        # fewer: read back, nothing new

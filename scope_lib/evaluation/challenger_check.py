@@ -180,10 +180,13 @@ def _write_tasks(params: Params, stage: Stage, checkpoint: str, policy: Policy, 
     documents = challenger_documents(params, corpus_passages(params, c))
     contents = {p.id: p.contents for p in documents}
     candidates, chunks, tasks = stage.records("candidates"), stage.records("chunks"), stage.records("tasks")
+    batches = [documents[i:i + lc.batch_size] for i in range(0, len(documents), lc.batch_size)]
     finished = finished_chunks(candidates, chunks, tasks)
+    sizes = {m["chunk"]: m["candidates"] for m in chunks}
+    finished = {k for k in finished if k < len(batches) and sizes[k] == len(batches[k])}  # a last batch now longer
+    chunks.retain(lambda m: m["chunk"] in finished)
     candidates.retain(lambda rec: rec["chunk"] in finished)  # a batch a kill left half-written is redone
     tasks.retain(lambda rec: rec["chunk"] in finished)
-    batches = [documents[i:i + lc.batch_size] for i in range(0, len(documents), lc.batch_size)]
     todo = [k for k in range(len(batches)) if k not in finished]
     for k in tqdm(todo, desc=f"{checkpoint}'s held-out tasks", unit="batch", leave=False,
                   disable=not (progress and todo)):
