@@ -432,6 +432,8 @@ class RoleRules(Protocol):
 
     #: Record logs this role's stage writes besides `rollouts` (SCOPE's Challenger: `solver_rollouts`).
     extra_records: tuple[str, ...]
+    #: Whether the role's rollouts search (the `no_searches` alarm watches only those that do).
+    searches: bool
 
     def limits(self, params: Params) -> RolloutLimits:
         """Turn and token budgets of the role's training rollouts."""
@@ -487,6 +489,8 @@ class RoleSession:
                              adapter=ctx.role)
         self.pending[step] = {"rollout_s": time.perf_counter() - started, **_rollout_times(stats),
                               **trajectory_metrics(trajectories)}
+        if not self.rules.searches:  # a closed-book role: no search count to watch
+            self.pending[step]["searches_per_rollout"] = None
         return trajectory_rows(trajectories, ctx.policy.tokenizer, per_turn=self.per_turn,
                                logprobs=serves_adapters(ctx.rollout_engine))
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from scope_lib.config import Params, ParamsError
 from scope_lib.selfplay.harness import Method
 from scope_lib.selfplay.methods.scope import SCOPE
+from scope_lib.selfplay.methods.spice import SPICE
 
 #: name (the params' `method`) -> the method.
-METHODS: dict[str, Method] = {SCOPE.name: SCOPE}
+METHODS: dict[str, Method] = {m.name: m for m in (SCOPE, SPICE)}
 
 
 def method_for(params: Params) -> Method:

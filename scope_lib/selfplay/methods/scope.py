@@ -224,6 +224,7 @@ class ScopeChallenger:
     from the gates, the rubrics and N_train rollouts of S_{t-1} graded by the Judge."""
 
     extra_records = ("solver_rollouts",)
+    searches = True
 
     def limits(self, params: Params) -> RolloutLimits:
         return challenger_limits(params)
@@ -275,6 +276,7 @@ class ScopeSolver:
     grades, the format, the searches and the answer's length."""
 
     extra_records: tuple[str, ...] = ()
+    searches = True
 
     def limits(self, params: Params) -> RolloutLimits:
         return solver_limits(params)
