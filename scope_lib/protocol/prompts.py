@@ -97,11 +97,13 @@ TEMPLATE_NAMES: tuple[str, ...] = (
     "rubric_rule_grounding", "grader", "grader_native_thinking", "gate_entity_identifiability",
     "gate_source_relevance", "judge_retry_score", "judge_retry_rubrics", "answerability", "judge_retry_answer",
 )
-#: The other self-play methods' templates (SPICE and Search Self-Play: `protocol.spice`, `protocol.ssp`), in
-#: prompts/methods/. They stay out of `protocol_fingerprint`, which keys SCOPE's warm starts and held-out sets.
+#: The other self-play methods' templates (SPICE, Search Self-Play and SCORE: `protocol.spice`, `protocol.ssp`,
+#: `protocol.score`), in prompts/methods/. They stay out of `protocol_fingerprint`, which keys SCOPE's warm starts
+#: and held-out sets.
 METHOD_TEMPLATE_NAMES: tuple[str, ...] = (
     "spice_challenger", "spice_format_multiple_choice", "spice_format_free_form", "spice_reasoner",
     "ssp_proposer", "ssp_solver", "ssp_rag_solver",
+    "score_solver", "score_rubric", "score_evaluator", "score_meta_harness",
 )
 
 #: Solver prompt variants (`solver.prompt`): the paper's Figure 10, or a complete long-form answer.
