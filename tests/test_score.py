@@ -119,8 +119,16 @@ def test_an_invalid_rubric_zeroes_every_report():
 
 
 def test_every_score_problem_has_a_case():
-    seen = {"score_not_a_number", "score_out_of_range", "score_missing", "report_missing", "rubric_invalid"}
-    assert seen == set(S.SCORE_PROBLEMS)
+    problems = _reply(DIMS, _report(1, factuality="high", citation_effectiveness=11, coherence=8))
+    seen = set(S.parse_evaluation(problems, H, 2).problem_counts()) | set(S.parse_evaluation("", H, 1).problem_counts())
+    assert seen - set(S.RUBRIC_INVALID_REASONS) == set(S.SCORE_PROBLEMS)
+
+
+def test_a_harness_without_a_required_dimension_normalises_the_weights():
+    harness = S.Harness(k=2, must_include=(), weight_min=0.0, weight_max=1.0)
+    parsed = S.parse_rubric(_reply('<dim name="insight" weight="0.3"/><dim name="diversity" weight="0.1"/>'), harness)
+    assert parsed.rubric.weights == approx((0.75, 0.25))
+    assert "Select exactly 2 dimension(s)" in S.rubric_prompt("Q?", harness)
 
 
 def test_a_rubric_chosen_before_the_reports_is_used_as_given():

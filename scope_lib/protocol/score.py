@@ -653,7 +653,10 @@ def _rubric_text(rubric: Rubric) -> str:
 
 
 def _dimension_rules(harness: Harness) -> str:
-    required = ", ".join(harness.must_include) or "(none)"
+    if not harness.must_include:
+        return (f"Select exactly {harness.k} dimension(s) from the pool below and give each a weight within "
+                f"[{harness.weight_min:g}, {harness.weight_max:g}]; the weights are scaled to a total of 1.")
+    required = ", ".join(harness.must_include)
     extra = harness.k - len(harness.must_include)
     return (f"{required} is always required as the primary scoring dimension; write it without a weight. Select "
             f"exactly {extra} additional dimension(s) from the pool below and give each a weight within "
