@@ -400,3 +400,15 @@ def test_a_shared_policy_trains_one_adapter_on_both_roles_and_resumes_from_the_n
     assert all(torch.equal(restored[k], final[k]) for k in final)
     assert "shared_policy" in (params.run_dir / "params.yaml").read_text()
     assert "shared_policy" in science_yaml(params)                                 # a shared run hashes apart
+
+
+def test_the_params_method_picks_a_registered_method_and_an_unknown_one_is_refused(tmp_path, wiki_sample):
+    from scope_lib.config import ParamsError
+    from scope_lib.selfplay.methods import METHODS, method_for
+
+    params = fast_params(tmp_path, wiki_sample.parent)
+    assert params.method == "scope" and method_for(params) is METHODS["scope"]
+    assert [s.name for s in method_for(params).stages] == ["challenger", "pool", "solver"]
+    params.method = "nope"
+    with pytest.raises(ParamsError, match="method: 'nope' .* choose one of scope, spice"):
+        open_run(params)                                    # before anything loads
