@@ -460,8 +460,7 @@ class RoleSession:
         self.rules = ctx.rules
         self.items = items
         self.records = ctx.stage.records("rollouts")
-        self.solver_records = (ctx.stage.records("solver_rollouts") if "solver_rollouts" in self.rules.extra_records
-                               else None)
+        self.extra_records = {name: ctx.stage.records(name) for name in self.rules.extra_records}
         self.metrics = ctx.stage.records("metrics")
         self.pending: dict[int, dict[str, Any]] = {}
         self.unwritten: dict[str, list[dict[str, Any]]] = {}  # this step's records, until the main rank writes
@@ -526,9 +525,8 @@ class RoleSession:
         if ranks.distributed():
             self.pending[step] = combine_ranks([numbers for _, numbers in shares])
         if ranks.is_main():
-            for name, records in (("rollouts", self.records), ("solver_rollouts", self.solver_records)):
-                if records is not None:
-                    records.append(rec for written, _ in shares for rec in written.get(name, []))
+            for name, records in (("rollouts", self.records), *self.extra_records.items()):
+                records.append(rec for written, _ in shares for rec in written.get(name, []))
 
     # -- per-step metrics ---------------------------------------------------------------------------
     def log_step(self, step: int, trl_logs: dict[str, float], step_s: float) -> dict[str, Any] | None:
@@ -697,7 +695,7 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
     if resume is not None:
         k = checkpoint_step(resume)
         dropped = sum(records.retain(lambda rec, k=k: rec.get("step", 0) <= k)
-                      for records in (session.records, session.solver_records, session.metrics) if records is not None)
+                      for records in (session.records, *session.extra_records.values(), session.metrics))
         log.warning("iteration %d %s: resuming at step %d of %d from %s (weights, optimiser, scheduler and RNG "
                     "restored; %d record(s) of later steps dropped and redone)", ctx.iteration, ctx.role, k,
                     args.max_steps, resume, dropped)
