@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--before", default="base", metavar="C", help="what it is compared with (default base = M0)")
     compare.add_argument("--control", default=None, metavar="C",
                          help="the same checkpoint of a run trained with -o grpo.reward_control=shuffled (the "
-                         "Challenger's: shuffled_both)")
+                         "Challenger's: shuffled_challenger)")
     compare.add_argument("--frozen", default=None, metavar="C",
                          help="--role challenger: the Challenger of the frozen-Challenger ablation "
                          "(-o selfplay.co_evolution=false), to beat too")

@@ -526,11 +526,11 @@ class GRPOConfig(Section):
     importance_sampling_clip: float = Field(3.0, gt=1.0, description="Cap (truncate) or cut-off (mask) of that ratio.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         [], description="Also log TRL's metrics there (off by default; metrics.jsonl is always written).")
-    reward_control: Literal["none", "shuffled", "shuffled_both"] = Field(
+    reward_control: Literal["none", "shuffled", "shuffled_challenger", "shuffled_both"] = Field(
         "none", description="'none' = train on the rewards (the paper). 'shuffled' = the learning check's control: "
         "the same GRPO steps with each Solver batch's rewards permuted among its rows (seeded; same rewards, no "
         "information), so a gain it shows is drift, not learning; its Challenger, Stage 1 and task pool are the "
-        "trained run's (docs/training.md, 'The learning check'). 'shuffled_both' permutes the Challenger's too.")
+        "trained run's (docs/training.md, 'The learning check'). 'shuffled_challenger' permutes the Challenger's alone (the Challenger's learning check's control); 'shuffled_both' both roles'.")
 
     def learning_rate_for(self, finetuning: str) -> float:
         """The rate this run trains with: the configured one, or the mode's documented default."""

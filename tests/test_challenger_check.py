@@ -155,7 +155,7 @@ def test_a_challenger_nearer_the_window_is_found_and_learned_only_above_its_cont
     assert equal.verdict.outcome == "not learned" and "cannot be told from its shuffled-reward control" in \
         equal.verdict.reason and equal.comparisons["over_control"]["in_window"].gain == 0
     alone = run_challenger_check(params, checkpoint("trained"), write=False, **lent(c, root))
-    assert alone.verdict.outcome == "not shown" and "shuffled_both" in alone.verdict.reason
+    assert alone.verdict.outcome == "not shown" and "shuffled_challenger" in alone.verdict.reason
     # the frozen Challenger, when given, must be beaten too
     frozen = run_challenger_check(params, checkpoint("trained"), control=checkpoint("drift"),
                                   frozen=checkpoint("equal"), write=False, **lent(c, root))
@@ -299,7 +299,7 @@ def test_scope_learning_check_compare_role_challenger_and_play(params, retriever
     run.run.runs_dir = str(tmp_path / "runs")
     run.model.warm_start.enabled = False
     fake_run(run.run_dir, run)
-    control = fake_run(tmp_path / "runs" / "control", run, reward_control="shuffled_both")
+    control = fake_run(tmp_path / "runs" / "control", run, reward_control="shuffled_challenger")
     solver_only = fake_run(tmp_path / "runs" / "solver-control", run, reward_control="shuffled")
     coevolving = fake_run(tmp_path / "runs" / "coevolving", run)
     (tmp_path / "p.yaml").write_text(run.to_yaml())
@@ -328,7 +328,7 @@ def test_scope_learning_check_compare_role_challenger_and_play(params, retriever
     assert matrix[1][0] == pytest.approx(1 / 3) and matrix[0][1] == matrix[1][1] == 1.0 and matrix[0][0] > 1 / 3
     # the runs that play another role
     assert main(args + ["--control", str(solver_only)]) == 2
-    assert "shuffled_both" in capsys.readouterr().err
+    assert "shuffled_challenger" in capsys.readouterr().err
     assert main(args + ["--frozen", str(coevolving)]) == 2
     assert "co_evolution=false" in capsys.readouterr().err
     assert main(["learning-check", "compare", str(tmp_path / "p.yaml"), "--role", "challenger", "--after",

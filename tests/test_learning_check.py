@@ -490,7 +490,7 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     assert scripted.calls == calls and len(opened) == 1 and "learned: the gain" in capsys.readouterr().out
     # a trained run given as the control, a control given as the trained run, no reserved documents
     assert main(args + ["--control", "iter_01/solver"]) == 2
-    assert "is a trained run, not a control" in capsys.readouterr().err
+    assert "its Solver trained on its rewards, so it is no control" in capsys.readouterr().err
     assert main(["learning-check", "compare", str(tmp_path / "p.yaml"), "--after", str(control)]) == 2
     assert "give it as the control" in capsys.readouterr().err
     assert main(args + ["-o", "learning_check.held_out_documents=0"]) == 2

@@ -252,8 +252,9 @@ def scored_step(params, policy, retriever, passages, tmp_path, control: str):
 
 def test_the_shuffled_controls_permute_each_batch_and_the_default_trains_on_the_rewards(
         params, retriever, passages, tiny_model_dir, tmp_path):
-    """A Challenger step: 'shuffled' (the learning check's control) leaves its rewards alone, 'shuffled_both'
-    permutes them (the Solver's under 'shuffled': tests/test_selfplay_loop.py)."""
+    """A Challenger step: 'shuffled' (the learning check's control) leaves its rewards alone, 'shuffled_both' and
+    'shuffled_challenger' permute them (the Solver's under 'shuffled': tests/test_selfplay_loop.py; the Solver's
+    never under 'shuffled_challenger': test_the_shuffled_roles)."""
     policy = load_policy(params, tiny_model_dir)
     given, records = scored_step(params, policy, retriever, passages, tmp_path, "none")
     earned = [r["reward"] for r in records]
@@ -267,6 +268,18 @@ def test_the_shuffled_controls_permute_each_batch_and_the_default_trains_on_the_
     assert [r["trained_reward"] for r in control_records] == shuffled
     again, _ = scored_step(params, policy, retriever, passages, tmp_path / "again", "shuffled_both")
     assert again == shuffled                                                  # seeded
+    alone, _ = scored_step(params, policy, retriever, passages, tmp_path / "alone", "shuffled_challenger")
+    assert alone == shuffled                                                  # the Challenger's alone: the same
+
+
+def test_the_shuffled_roles():
+    """Which role each grpo.reward_control value permutes: the Solver's control, the Challenger's, both, none."""
+    from scope_lib.selfplay.training import shuffles_rewards
+
+    table = {v: [r for r in ("challenger", "solver") if shuffles_rewards(v, r)]
+             for v in ("none", "shuffled", "shuffled_challenger", "shuffled_both")}
+    assert table == {"none": [], "shuffled": ["solver"], "shuffled_challenger": ["challenger"],
+                     "shuffled_both": ["challenger", "solver"]}
 
 
 def test_grpo_settings_follow_table_9(params, tmp_path):

@@ -29,8 +29,8 @@ first `learning_check.tasks` of them, every one counted, whatever its task becam
    name of the task, `protocol.names.names_in`, in the source document).
 4. **Comparing** (`compare_measure`): every measure paired over the documents against M0's Challenger (or
    `before`) with the Solver's check's paired bootstrap (`learning_check.compare_values`), and against the controls:
-   the shuffled-reward control (a run with `grpo.reward_control: shuffled_both`, the one value that permutes the
-   Challenger's rewards) and the frozen-Challenger ablation (`selfplay.co_evolution: false`,
+   the shuffled-reward control (a run with `grpo.reward_control: shuffled_challenger`, the Challenger's rewards
+   alone permuted; `shuffled_both` is accepted too) and the frozen-Challenger ablation (`selfplay.co_evolution: false`,
    params/ablations/no-co-evolution.yaml).
 5. **The verdict** (`challenger_verdict`, learning_check.VERDICTS): *learned* only when the window share rises over
    M0's Challenger with its 95% interval above 0 (or |ḡ − τ| falls, interval below 0, with `metric="distance"`), the
@@ -99,7 +99,7 @@ LABELS = {"gate_pass": "gate pass rate", "in_window": "window share", "distance"
 BETTER = {"in_window": 1, "distance": -1}
 #: `grpo.reward_control` values whose run trained its Challenger on permuted rewards (`selfplay.training`'s
 #: `shuffles_rewards(value, "challenger")`; tests/test_challenger_check.py keeps the two in step).
-CHALLENGER_SHUFFLED = ("shuffled_both",)
+CHALLENGER_SHUFFLED = ("shuffled_challenger", "shuffled_both")
 #: The comparisons a check makes: name -> (baseline role, compared role).
 PAIRS = {"trained": ("before", "after"), "control": ("before", "control"), "over_control": ("control", "after"),
          "frozen": ("before", "frozen"), "over_frozen": ("frozen", "after")}
@@ -321,14 +321,14 @@ def check_challenger_role(params: Params, ck: Checkpoint, role: str) -> None:
     shuffled = trained.grpo.reward_control in CHALLENGER_SHUFFLED
     frozen = not trained.selfplay.co_evolution
     if role == "after" and (shuffled or frozen):
-        what = "its Challenger's rewards were permuted (grpo.reward_control: shuffled_both)" if shuffled else \
+        what = f"its Challenger's rewards were permuted (grpo.reward_control: {trained.grpo.reward_control})" if shuffled else \
             "its Challenger was frozen (selfplay.co_evolution: false)"
         raise ParamsError(f"{ck.spec}: {what}: it is a control; give it as --{'control' if shuffled else 'frozen'} "
                           "and a run trained on its rewards as the checkpoint to check")
     if role == "control" and not shuffled:
         raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {trained.grpo.reward_control}: its "
                           "Challenger trained on its rewards; the Challenger's control is a run of the same params "
-                          "trained with -o grpo.reward_control=shuffled_both")
+                          "trained with -o grpo.reward_control=shuffled_challenger")
     if role == "frozen" and not frozen:
         raise ParamsError(f"{ck.spec}: its run co-evolved the Challenger; the frozen-Challenger ablation is a run of "
                           "the same params with -o selfplay.co_evolution=false (params/ablations/no-co-evolution.yaml)")
@@ -424,7 +424,7 @@ def challenger_verdict(trained: Comparison | None, *, metric: str = "in_window",
     elif over_control is None:
         verdict = Verdict("not shown", f"not shown: the {said} improves on M0's Challenger, but without a "
                           "shuffled-reward control it may be drift: train the same params with "
-                          "-o grpo.reward_control=shuffled_both and give its Challenger as the control", **common)
+                          "-o grpo.reward_control=shuffled_challenger and give its Challenger as the control", **common)
     elif not improved(over_control, metric):
         verdict = Verdict("not learned", f"not learned: the {said} improves on M0's Challenger, but trained − "
                           f"control {interval_text(over_control)} does not {way} 0: the Challenger cannot be told from "

@@ -56,6 +56,7 @@ from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_j
 from scope_lib.selfplay.grader_probe import Calibration
 from scope_lib.selfplay.rollout import new_trajectory, run_rollouts, solver_messages
 from scope_lib.selfplay.tasks import grade_rollouts, solver_limits
+from scope_lib.selfplay.training import shuffles_rewards
 
 log = logging.getLogger(__name__)
 
@@ -592,9 +593,10 @@ def check_training(params: Params, ck: Checkpoint, role: str) -> None:
                           f"{params.retrieval.corpus}), else its tasks may come from training documents: check with "
                           "that run's values, or retrain with these")
     control = trained.grpo.reward_control
-    if role == "control" and control == "none":
-        raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {control}: it is a trained run, not a "
-                          "control; give a checkpoint of the same params trained with -o grpo.reward_control=shuffled")
+    if role == "control" and not shuffles_rewards(control, "solver"):
+        raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {control}: its Solver trained on its "
+                          "rewards, so it is no control; give a checkpoint of the same params trained with "
+                          "-o grpo.reward_control=shuffled")
     if role == "after" and control != "none":
         raise ParamsError(f"{ck.spec} was trained with grpo.reward_control: {control}: it is the control; give it as "
                           "the control and a run trained on its rewards as the checkpoint to check")

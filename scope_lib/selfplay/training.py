@@ -567,8 +567,15 @@ class RoleSession:
 def shuffles_rewards(reward_control: str, role: str) -> bool:
     """Whether `role`'s rewards are permuted under `grpo.reward_control`: 'shuffled' permutes the Solver's only
     (the control then differs from the trained run in the Solver's reward information alone: same Challenger,
-    same Stage 1, same task pool), 'shuffled_both' both roles', 'none' neither."""
-    return reward_control == "shuffled_both" or (reward_control == "shuffled" and role == "solver")
+    same Stage 1, same task pool), 'shuffled_challenger' the Challenger's only (the Challenger's learning check's
+    control), 'shuffled_both' both roles', 'none' neither."""
+    return role in SHUFFLED_ROLES[reward_control]
+
+
+#: The roles whose rewards each `grpo.reward_control` value permutes.
+SHUFFLED_ROLES: dict[str, tuple[str, ...]] = {"none": (), "shuffled": ("solver",),
+                                              "shuffled_challenger": ("challenger",),
+                                              "shuffled_both": ("challenger", "solver")}
 
 
 def control_seed(stage_seed: int, step: int, rank: int = 0) -> int:
