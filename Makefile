@@ -37,10 +37,11 @@ demo-smollm: $(STAMP)
 	$(BIN)/scope run params/smollm.yaml $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS))
 
 # The learning check on 2 CPU cores (issue 32; docs/training.md, "The learning check"): params/smollm-learn.yaml trained
-# on its rewards and on shuffled rewards (the control), on two seeds (grpo.seed), then each checked on 48 held-out tasks
+# on its rewards and on the Solver's rewards shuffled (the control: the same Challenger and task pool), on three seeds
+# (grpo.seed: the GRPO stages' sampling and permutations), then each checked on 48 held-out tasks
 # (`scope learning-check compare`, written to runs/<name>/learning_check/). SEEDS=42 runs one seed: about 1 h 20 min
 # on 2 cores (docs/training.md, "The learning check on SmolLM2"), plus about 48 minutes once for the held-out set.
-SEEDS ?= 42 43
+SEEDS ?= 42 43 44
 LEARN := params/smollm-learn.yaml
 learning-smollm: $(STAMP)
 	for seed in $(SEEDS); do \
