@@ -271,9 +271,17 @@ def test_a_self_play_run_records_the_probe_and_alarms_on_an_untrusted_judge(tmp_
             assert not probe["trusted"] and probe["sensitivity"] == 1.0 and probe["specificity"] == 0.0
             assert alarms == ["untrusted_judge"] and r.alarms[0]["alarm"] == "untrusted_judge"
             assert "separation 0.00 < 0.50" in r.alarms[0]["message"]
+            calls = engine.calls
             open_run(p, engine=engine, judge=Judge(engine, p.judge, seed=p.selfplay.seed), retriever=retriever,
-                     policy=policy)                                       # a resumed run: the alarm once
+                     policy=policy)                                       # a resumed run: the alarm once ...
             assert [a["alarm"] for a in health.read_alarms(p.run_dir)].count("untrusted_judge") == 1
+            assert engine.calls == calls                                  # ... and its probes read back, not asked
+            more = p.model_copy(deep=True)
+            more.judge.calibration.items = 10                             # another probe: asked again
+            open_run(more, engine=engine, judge=Judge(engine, more.judge, seed=more.selfplay.seed),
+                     retriever=retriever, policy=policy)
+            assert engine.calls > calls
+            assert json.loads((p.run_dir / "manifest.json").read_text())["judge_calibration"]["n_items"] == 10
     off = params.model_copy(deep=True)
     off.run.name, off.judge.calibration.enabled = "off", False
     engine = ScriptedEngine(policy.tokenizer, get_dialect("qwen2.5"))

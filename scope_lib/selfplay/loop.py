@@ -29,14 +29,20 @@ from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.check import check_index
 from scope_lib.retrieval.corpus import CorpusError, empty_corpus_message, read_corpus
 from scope_lib.retrieval.index import open_retriever
-from scope_lib.runs import write_manifest
+from scope_lib.runs import params_hash, read_json, write_manifest
 from scope_lib.selfplay import health, ranks
 from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge
 from scope_lib.selfplay.harness import SelfPlayRun
 from scope_lib.selfplay.judge import Judge, judge_models, make_judge
 from scope_lib.selfplay.methods import method_for
 from scope_lib.selfplay.policy import Policy
-from scope_lib.selfplay.stage_probes import StageProbes, UntrustedJudge, probe_judge_stages, refusal
+from scope_lib.selfplay.stage_probes import (
+    MANIFEST_KEY,
+    StageProbes,
+    UntrustedJudge,
+    probe_judge_stages,
+    refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +91,10 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
     calibration, stages = None, None
     if ranks.is_main() and params.judge.calibration.enabled:  # every Judge stage is probed before its verdicts count
-        calibration = probe_self_judge(params, judge, passages)
-        stages = probe_judge_stages(params, judge, passages)
+        calibration, stages = stored_probes(params)            # ... once per run: a resume reads them back
+        if calibration is None or stages is None:
+            calibration = probe_self_judge(params, judge, passages)
+            stages = probe_judge_stages(params, judge, passages)
     if ranks.is_main():
         _write_manifest(params, judge, passages, fingerprint, calibration, stages)
     ranks.barrier()
@@ -112,6 +120,24 @@ def _on_cpu(params: Params) -> bool:
     return not (torch.cuda.is_available() and params.engine.device != "cpu")
 
 
+def probes_key(params: Params) -> str:
+    """What the Judge's probes depend on: every parameter (the Judge's models, prompts and budgets, the corpus, the
+    seeds, `judge.calibration`), so a run resumed as it was started reuses them and any change probes again."""
+    return params_hash(params.to_yaml())
+
+
+def stored_probes(params: Params) -> tuple[Calibration | None, StageProbes | None]:
+    """The grader's and the Judge stages' probes this run stored when it first opened (`manifest.json`), when its
+    parameters have not changed since (`probes_key`); else (None, None)."""
+    path = params.run_dir / "manifest.json"
+    manifest = read_json(path, "it is rewritten when the run opens") if path.is_file() else {}
+    grader, stages = manifest.get("judge_calibration"), manifest.get(MANIFEST_KEY)
+    if manifest.get("probes_key") != probes_key(params) or grader is None or stages is None:
+        return None, None
+    log.info("the Judge's probes: read back from %s (the run resumes with the parameters it probed with)", path)
+    return Calibration.from_record(grader), StageProbes.from_record(stages)
+
+
 def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None,
                     calibration: Calibration | None = None, stages: StageProbes | None = None) -> None:
     started = _started_with_iterations(params)
@@ -125,6 +151,7 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
                    judge_models=judge_models(params), index=fingerprint,
                    judge_calibration=calibration.to_record() if calibration is not None else None,
                    judge_stage_calibration=stages.to_record() if stages is not None else None,
+                   probes_key=probes_key(params) if calibration is not None else None,
                    corpus={"path": str(params.corpus_path), "passages": len(passages),
                            "sha256": (fingerprint or {}).get("corpus_sha256")},
                    processes=ranks.world_size())
