@@ -252,7 +252,8 @@ def test_a_self_play_run_records_the_probe_and_alarms_on_an_untrusted_judge(tmp_
     from scope_lib.retrieval.index import build_or_open_index
     from scope_lib.selfplay.loop import open_run
 
-    params = fast_params(tmp_path / "runs", wiki_sample.parent, **{"judge.calibration.items": 8})
+    params = fast_params(tmp_path / "runs", wiki_sample.parent, **{"judge.calibration.enabled": True,
+                                                                   "judge.calibration.items": 8})
     retriever = build_or_open_index(params, progress=False)
     policy = load_policy(params, tiny_model_dir)
     for name, override in (("reads", None), ("yes", grader_override(1))):

@@ -308,7 +308,8 @@ def test_scope_train_stops_with_exit_4_unless_it_accepts_an_untrusted_stage(tmp_
     from scope_lib.selfplay import loop
 
     params = fast_params(tmp_path / "runs", wiki_sample.parent, **{
-        "run.name": "yesman", "judge.calibration.items": 8, "judge.calibration.gate_items": 12,
+        "run.name": "yesman", "judge.calibration.enabled": True, "judge.calibration.items": 8,
+        "judge.calibration.gate_items": 12,
         "judge.calibration.rubric_items": 4, "judge.calibration.accept_untrusted": False})
     spec = tmp_path / "yesman.yaml"
     spec.write_text(params.to_yaml())

@@ -27,6 +27,9 @@ FAST = {
     # the scripted Solver answers with the titles it found, half the group not at all: g-bar moves in steps of
     # 1/6, so a slightly wider window keeps a few tasks per batch whatever the retriever returns
     "selfplay.difficulty_window": [0.1, 0.9],
+    # the Judge's probes (about 4 s a run on the tiny model) are tested where they are the subject
+    # (tests/test_calibration.py, tests/test_stage_probes.py) and run in every params/smoke.yaml run (notebooks, demo)
+    "judge.calibration.enabled": False,
 }
 
 POOR = {"challenger": "I would rather not write a task.",
