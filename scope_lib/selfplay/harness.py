@@ -49,6 +49,17 @@ def stage_seed(params: Params, iteration: int, stage: str) -> int:
     return params.selfplay.seed + 10 * (iteration - 1) + STAGE_OFFSETS[stage] + 1000 * replicate
 
 
+def documents_start(r: SelfPlayRun, t: int, recorded_by: str) -> int:
+    """Where iteration t's documents begin in the run's permutation: after everything earlier iterations used, as
+    the stage `recorded_by` of iteration t - 1 recorded it (its summary's `documents`: [start, end])."""
+    if t == 1:
+        return 0
+    previous = r.stage(t - 1, recorded_by).summary
+    if "documents" not in previous:
+        raise RuntimeError(f"iteration {t - 1}'s {recorded_by} stage is not finished; run the iterations in order")
+    return previous["documents"][1]
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One stage of a method's iteration: its folder name (`iter_NN/<name>/`), the function that runs it (or

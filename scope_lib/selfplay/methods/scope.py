@@ -30,6 +30,7 @@ from scope_lib.selfplay.harness import (
     Method,
     SelfPlayRun,
     StageSpec,
+    documents_start,
     mark_done,
     publish_roles,
     reset_stage,
@@ -67,22 +68,12 @@ from scope_lib.selfplay.training import (
 log = logging.getLogger(__name__)
 
 
-def documents_start(r: SelfPlayRun, t: int) -> int:
-    """Where iteration t's documents begin in the run's permutation: after everything earlier iterations used."""
-    if t == 1:
-        return 0
-    previous = r.stage(t - 1, "pool").summary
-    if "documents" not in previous:
-        raise RuntimeError(f"iteration {t - 1}'s task pool is not finished; run the iterations in order")
-    return previous["documents"][1]
-
-
 def train_challenger(r: SelfPlayRun, t: int) -> dict:
     """Stage 1 (Algorithm 1 lines 4-17): GRPO on R_C against S_{t-1}, over fresh documents."""
     stage = r.stage(t, "challenger")
     if stage.done:
         return stage.summary
-    start = documents_start(r, t)
+    start = documents_start(r, t, "pool")
     sp = r.params.selfplay
     if not sp.co_evolution and t > 1:
         summary = {"frozen_at": 1, "documents": [start, start],

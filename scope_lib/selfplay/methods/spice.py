@@ -34,6 +34,7 @@ from scope_lib.selfplay.harness import (
     Method,
     SelfPlayRun,
     StageSpec,
+    documents_start,
     mark_done,
     publish_roles,
     reset_stage,
@@ -175,22 +176,12 @@ class SpiceReasoner:
                         "boxed_rate": mean_of([a is not None for a in answers.values()])}
 
 
-def documents_start(r: SelfPlayRun, t: int) -> int:
-    """Where iteration t's documents begin: after the documents earlier iterations' Challengers read."""
-    if t == 1:
-        return 0
-    previous = r.stage(t - 1, "challenger").summary
-    if "documents" not in previous:
-        raise RuntimeError(f"iteration {t - 1}'s Challenger stage is not finished; run the iterations in order")
-    return previous["documents"][1]
-
-
 def train_challenger(r: SelfPlayRun, t: int) -> dict:
     """Stage 1: GRPO on r_C over `selfplay.challenger_prompts` fresh documents, one answer type each."""
     stage = r.stage(t, "challenger")
     if stage.done:
         return stage.summary
-    start = documents_start(r, t)
+    start = documents_start(r, t, "challenger")
     sp = r.params.selfplay
     reset_stage(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # the Reasoner answers the Challenger's tasks
