@@ -23,6 +23,7 @@ lower case, as in F.1/F.2; ``<task>``/``<answer>`` may carry attributes. The Jud
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -228,3 +229,22 @@ def parse_score(text: Any, *, starts_in_think: bool = False) -> int | None:
         return None
     match = _SCORE_BODY.fullmatch(scores[-1][1])
     return int(match.group(1)) if match else None
+
+
+def last_json_object(text: str) -> dict | None:
+    """The last top-level JSON object in `text` that decodes (SPICE's task, SCORE's harness). Each decoded object is
+    skipped whole; the scan restarts at every "{" that does not decode (quadratic only on adversarial text; replies
+    are token-capped)."""
+    decoder = json.JSONDecoder()
+    found: dict | None = None
+    pos = text.find("{")
+    while pos >= 0:
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            pos = text.find("{", pos + 1)
+            continue
+        if isinstance(value, dict):
+            found = value
+        pos = text.find("{", end)
+    return found

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from scope_lib.protocol.parsing import extract_answer, strip_think
+from scope_lib.protocol.parsing import extract_answer, last_json_object, strip_think
 from scope_lib.protocol.prompts import render_template
 
 __all__ = [
@@ -514,22 +514,6 @@ class HarnessParse:
         return self.reason is None
 
 
-def _last_json_object(text: str) -> dict | None:
-    """The last top-level JSON object in `text` that decodes (an object inside another is not top-level)."""
-    decoder = json.JSONDecoder()
-    found, start = None, text.find("{")
-    while start >= 0:
-        try:
-            value, end = decoder.raw_decode(text, start)
-        except ValueError:
-            start = text.find("{", start + 1)
-            continue
-        if isinstance(value, dict):
-            found = value
-        start = text.find("{", end)
-    return found
-
-
 class _Rejected(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(reason)
@@ -572,7 +556,7 @@ def parse_harness(text: Any, previous: Harness = DEFAULT_HARNESS, *, starts_in_t
     require_verification, citation_cross_check, min_number_of_tool_call), `notes` and optionally `dimension_pool`
     (names, or {name, description} objects, or name → description). A key left out keeps the previous value; any
     invalid value rejects the whole reply (the previous harness stays, with the reason). Never raises."""
-    obj = _last_json_object(strip_think(text, starts_in_think=starts_in_think)) if isinstance(text, str) else None
+    obj = last_json_object(strip_think(text, starts_in_think=starts_in_think)) if isinstance(text, str) else None
     if obj is None:
         return HarnessParse(previous, "no_json")
     try:

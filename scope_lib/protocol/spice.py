@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scope_lib.protocol import verification as V
-from scope_lib.protocol.parsing import strip_think
+from scope_lib.protocol.parsing import last_json_object, strip_think
 from scope_lib.protocol.prompts import render_template
 from scope_lib.protocol.rewards import difficulty_reward
 
@@ -132,30 +132,12 @@ def _invalid(reason: str, detail: str) -> TaskParse:
 # -- the Challenger's reply --------------------------------------------------------------------------------------
 
 
-def _last_json_object(text: str) -> dict | None:
-    """The last top-level JSON object in `text` that decodes. Each decoded object is skipped whole; the scan
-    restarts at every "{" that does not decode (quadratic only on adversarial text; replies are token-capped)."""
-    decoder = json.JSONDecoder()
-    found: dict | None = None
-    pos = text.find("{")
-    while pos >= 0:
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except ValueError:
-            pos = text.find("{", pos + 1)
-            continue
-        if isinstance(value, dict):
-            found = value
-        pos = text.find("{", end)
-    return found
-
-
 def parse_task(reply: Any, *, starts_in_think: bool = False) -> TaskParse:
     """The Challenger's task from its reply (§2.2: valid when "formatted correctly and parsable"): the last JSON
     object outside thinking, checked by `task_from_json`. Total: any input gives a TaskParse."""
     if not isinstance(reply, str):
         return _invalid("no_json", f"the reply is {type(reply).__name__}, not text")
-    obj = _last_json_object(strip_think(reply, starts_in_think=starts_in_think))
+    obj = last_json_object(strip_think(reply, starts_in_think=starts_in_think))
     if obj is None:
         return _invalid("no_json", "no JSON object outside thinking")
     return task_from_json(obj)
