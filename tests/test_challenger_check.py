@@ -280,7 +280,7 @@ def test_scope_learning_check_compare_role_challenger_and_play(params, retriever
     """`scope learning-check compare --role challenger` and `scope learning-check play` end to end: printed and
     written, a second call opens no model, and the runs that play another role are refused."""
     from scope_lib.cli import main
-    from scope_lib.evaluation import challenger_check, held_out
+    from scope_lib.evaluation import challenger_check, held_out, learning_check
 
     scripted = ChallengerPlanted(tiny_tokenizer, DIALECT)
     opened = []
@@ -291,7 +291,7 @@ def test_scope_learning_check_compare_role_challenger_and_play(params, retriever
         return {ck.name: Policy(ck, scripted, None if ck.kind == "base" else adapter.get(ck.name, ck.name))
                 for ck in checkpoints}
 
-    monkeypatch.setattr(challenger_check, "open_policies", open_policies)
+    monkeypatch.setattr(learning_check, "open_policies", open_policies)   # the one opener (learning_check.opener)
     monkeypatch.setattr(challenger_check, "model_identity", lambda params: "scripted")
     monkeypatch.setattr(held_out, "model_identity", lambda params: "scripted")
     monkeypatch.setenv("SCOPE_CACHE_DIR", str(tmp_path / "cache"))

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from scope_lib.config import Params, ParamsError
-from scope_lib.evaluation.evaluate import Checkpoint, Policy, base_engine, open_policies, resolve_checkpoint
+from scope_lib.evaluation.evaluate import Checkpoint, Policy, resolve_checkpoint
 from scope_lib.evaluation.held_out import (
     CheckComponents,
     HeldOutSet,
@@ -60,7 +60,6 @@ from scope_lib.evaluation.held_out import (
     held_out_location,
     held_out_probes,
     model_identity,
-    open_components,
     probe_beside,
     seed_of,
 )
@@ -76,11 +75,11 @@ from scope_lib.evaluation.learning_check import (
     evaluate_checkpoint,
     grader_gate,
     interval_text,
+    opener,
     stored_evaluation,
     unique_names,
 )
 from scope_lib.models.engine import Engine
-from scope_lib.models.loading import make_engine
 from scope_lib.protocol import rewards
 from scope_lib.protocol.gate_rules import source_relevance
 from scope_lib.runs import RunError, Stage, atomic_write_json, finished_chunks, read_json
@@ -354,17 +353,7 @@ def evaluate_play(params: Params, challengers: dict[str, str | Checkpoint], solv
             check_challenger_role(params, ck, key)
         else:
             check_training(params, ck, "checkpoint")
-    opened: dict[str, Any] = {}
-
-    def open_all() -> dict[str, Any]:
-        if not opened:
-            lent = components.engine if components is not None else engine
-            wanted = [ck for ck in dict.fromkeys(named.values()) if ck.name not in (policies or {})]
-            opened["policies"] = {**(policies or {}), **(open_policies(params, wanted, engine=lent) if wanted else {})}
-            m0_engine = lent or base_engine(opened["policies"]) or make_engine(params, "policy")
-            opened["components"] = components or open_components(params, engine=m0_engine)
-        return opened
-
+    open_all = opener(params, list(named.values()), engine=engine, components=components, policies=policies)
     m0 = model_id or model_identity(params)
     folder = held_out_location(params, m0, root)[0]
     probe_beside(folder, params, lambda: open_all()["components"])

@@ -34,6 +34,7 @@ import hashlib
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -616,6 +617,27 @@ def unique_names(checkpoints: dict[str, Checkpoint]) -> dict[str, Checkpoint]:
     return out
 
 
+def opener(params: Params, checkpoints: list[Checkpoint], *, engine: Engine | None = None,
+           components: CheckComponents | None = None, policies: dict[str, Policy] | None = None
+           ) -> Callable[[], dict[str, Any]]:
+    """A function that opens, on its first call only, the checkpoints' policies (beside those lent in `policies`,
+    keyed by name) and the check's components (the lent ones, or M0's over the lent engine, a lent policy's base
+    engine or a new one), and returns {"policies": ..., "components": ...}: nothing loads while every result is
+    stored."""
+    opened: dict[str, Any] = {}
+
+    def open_all() -> dict[str, Any]:
+        if not opened:
+            lent = components.engine if components is not None else engine
+            wanted = [ck for ck in dict.fromkeys(checkpoints) if ck.name not in (policies or {})]
+            opened["policies"] = {**(policies or {}), **(open_policies(params, wanted, engine=lent) if wanted else {})}
+            m0 = lent or base_engine(opened["policies"]) or make_engine(params, "policy")
+            opened["components"] = components or open_components(params, engine=m0)
+        return opened
+
+    return open_all
+
+
 def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint], *, seed: int | None = None,
                          engine: Engine | None = None, components: CheckComponents | None = None,
                          policies: dict[str, Policy] | None = None, model_id: str | None = None,
@@ -629,17 +651,7 @@ def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint
                         for key, spec in checkpoints.items()})
     for key, ck in resolved.items():
         check_training(params, ck, key)
-    opened: dict[str, Any] = {}
-
-    def open_all() -> dict[str, Any]:
-        if not opened:
-            lent = components.engine if components is not None else engine
-            wanted = [ck for ck in dict.fromkeys(resolved.values()) if ck.name not in (policies or {})]
-            opened["policies"] = {**(policies or {}), **(open_policies(params, wanted, engine=lent) if wanted else {})}
-            m0 = lent or base_engine(opened["policies"]) or make_engine(params, "policy")
-            opened["components"] = components or open_components(params, engine=m0)
-        return opened
-
+    open_all = opener(params, list(resolved.values()), engine=engine, components=components, policies=policies)
     held_out = held_out_set(params, lambda: open_all()["components"], model_id=model_id, root=root, progress=progress)
     evaluations = {}
     for key, ck in resolved.items():
