@@ -210,7 +210,8 @@ def plan_gpu(params: Params, *, gpu_gib: float = 80.0, gpus: int = 1, engine: st
                         f"{p / 1e9:.2f}B parameters x {b} B" + (f", sharded over {gpus} GPUs" if sharded else "")))
         add(PlanRow("trained adapter + gradient + AdamW (fp32)", 16 * lora / GIB / split, "both",
                     f"{lora / 1e6:.1f}M LoRA parameters (r={params.model.lora_rank}) x 16 B"))
-        add(PlanRow("frozen second adapter (fp32)", 4 * lora / GIB / split, "both", ""))
+        if not params.model.shared_policy:  # one policy for both roles (SPICE, SSP): no second adapter
+            add(PlanRow("frozen second adapter (fp32)", 4 * lora / GIB / split, "both", ""))
     elif layout == "ddp":
         add(PlanRow("trained copy: bf16 weights and gradients, fp32 master, AdamW", 16 * p / GIB, "both",
                     "16 B per parameter on every GPU (DDP)"))

@@ -13,7 +13,7 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 | judge_parse_failures  | more than 20% of a step's Judge replies never parsed                         |
 | no_reward             | no row of a step could be scored                                             |
 | empty_pool            | no candidate task survived the gates and the difficulty window               |
-| no_valid_task         | none of a stage's Challenger attempts was a valid task (SPICE)               |
+| no_valid_task         | none of a stage's Challenger attempts was a valid task (SPICE, SSP)          |
 | untrusted_judge       | the Judge's per-rubric grader failed its calibration probe when the run      |
 |                       | opened: separation below judge.calibration.min_separation, or more invalid   |
 |                       | replies than judge.calibration.max_invalid_rate (selfplay.grader_probe)       |
@@ -107,13 +107,15 @@ def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def check_valid_tasks(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Alarms for a finished stage whose tasks carry a gold answer (SPICE's Challenger): no attempt was valid."""
+def check_valid_tasks(summary: dict[str, Any], *,
+                      consequence: str = "the Reasoner cannot train this iteration") -> list[dict[str, Any]]:
+    """Alarms for a finished stage whose tasks carry a gold answer (SPICE's Challenger, SSP's Proposer): no attempt
+    was valid; `consequence` says what that means for the method."""
     if summary.get("valid", 0) == 0:
         reasons = ", ".join(f"{k} {n}" for k, n in sorted((summary.get("invalid_reasons") or {}).items()))
         return [_alarm("no_valid_task", {"role": "challenger", **summary}, 0, 1,
                        f"none of the Challenger's {summary.get('attempts', 0)} attempts was a valid task ({reasons}): "
-                       "the Reasoner cannot train this iteration")]
+                       f"{consequence}")]
     return []
 
 

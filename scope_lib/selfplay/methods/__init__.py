@@ -10,9 +10,10 @@ from scope_lib.config import Params, ParamsError
 from scope_lib.selfplay.harness import Method
 from scope_lib.selfplay.methods.scope import SCOPE
 from scope_lib.selfplay.methods.spice import SPICE
+from scope_lib.selfplay.methods.ssp import SSP
 
 #: name (the params' `method`) -> the method.
-METHODS: dict[str, Method] = {m.name: m for m in (SCOPE, SPICE)}
+METHODS: dict[str, Method] = {m.name: m for m in (SCOPE, SPICE, SSP)}
 
 
 def method_for(params: Params) -> Method:

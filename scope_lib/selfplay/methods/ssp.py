@@ -1,0 +1,425 @@
+"""Search Self-Play (SSP; Lu et al., Alibaba Qwen, github Qwen-Applications/SSP) on the shared harness. One policy
+plays both roles (use `model.shared_policy: true`): the Proposer is given a ground-truth answer a*, searches over
+several turns and writes a question between <question> tags; the Solver, a Search-R1-style agent, searches and
+answers between <answer> tags. A question counts only if it passes the rule filters and RAG verification: the Solver
+without search, given the Proposer's retrieved results plus noise results of other trajectories of the batch, must
+answer it correctly (§3.2 eq. 3, §3.3, Algorithm 1 line 4; `protocol.ssp`). Answers are checked by rule
+(`ssp.answer_correct`); the paper's LLM judge is not wired in. No Judge.
+
+    SSP.stages             # `challenger` (the Proposer: GRPO on r_propose), `solver` (the Solver: GRPO on r_solve)
+
+runs/<name>/iter_NN/challenger/  rollouts (every proposal: its answer, question, filter reason, RAG outcome, the
+                                 Solver's outcomes, r_propose), rag_rollouts (the RAG Solver's answers),
+                                 solver_rollouts (the n Solver answers that scored it), metrics, adapter, DONE
+runs/<name>/iter_NN/solver/      replay_buffer (the valid questions kept for the next iteration), rollouts (the
+                                 Solver's answers, correct, r_solve), metrics, adapter, DONE
+
+Stage 1 (Algorithm 1 lines 2-9): `selfplay.challenger_prompts` answers from the iteration's documents
+(`answer_set.corpus_answers`), each with a search-chain length drawn from `selfplay.search_turn_strata`; TRL's G
+copies of an answer are its proposals. Each proposal is filtered by rule (`ssp.filter_question`, with its valid
+searches counted in the model's dialect), then RAG-verified (one answer per question, `ssp.rag_passages`: own
+results plus `ssp.NOISE_PASSAGES`); each valid question gets n = `selfplay.solver_rollouts_train` Solver rollouts
+with search; r_propose = 1 - their success rate (eq. 7), 0 for an invalid question. Stage 2 (line 10) trains the
+Solver on Stage 1's valid questions, slots they leave empty filled from the replay buffer (App. B.1, "Periodic
+Reset": the buffer holds the valid questions of the Proposer's steps since the last reset, every
+REPLAY_RESET_STEPS steps), r_solve = 1[correct] (eq. 6).
+
+Where we differ from the paper (docs/methods.md, "SSP's loop"): GRPO over G proposals per answer stands in for the
+Proposer's REINFORCE with one sample (TRL's GRPO needs G >= 2; the group mean is the baseline; the paper's Table 6
+runs GRPO for both roles too); the Solver's reward comes from its own G rollouts in Stage 2, not from the n that
+scored the Proposer (the shared core trains one role per stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from scope_lib.config import Params
+from scope_lib.protocol import ssp
+from scope_lib.protocol.answer_set import corpus_answers
+from scope_lib.protocol.verification import normalize_answer
+from scope_lib.retrieval.corpus import document_range
+from scope_lib.runs import read_jsonl, write_jsonl
+from scope_lib.selfplay import health, ranks
+from scope_lib.selfplay.harness import (
+    Method,
+    SelfPlayRun,
+    StageSpec,
+    documents_start,
+    mark_done,
+    publish_roles,
+    reset_stage,
+    stage_context,
+    stage_seed,
+)
+from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, apportion, new_trajectory, run_rollouts
+from scope_lib.selfplay.tasks import challenger_limits, solver_limits
+from scope_lib.selfplay.training import (
+    RoleSession,
+    StageContext,
+    mean_of,
+    never_ran,
+    reward_stats,
+    train_role,
+)
+
+#: The replay buffer is cleared every this many Proposer steps (App. B.1, "Replay Buffer (Periodic Reset)": 10).
+REPLAY_RESET_STEPS = 10
+#: Why a proposal that passed the rule filters is invalid: the RAG Solver did not answer it correctly (eq. 3).
+RAG_REJECTED = "rag_rejected"
+
+
+@dataclass(frozen=True)
+class ProposerPrompt:
+    """One ground truth a* for the Proposer: its text, where the corpus rule found it, and the search chain's
+    length the prompt asks for (the paper's n of its prompt)."""
+
+    id: str
+    answer: str
+    kind: str
+    document_id: str
+    num_searches: int
+
+
+@dataclass(frozen=True)
+class SspQuestion:
+    """A valid question: the proposal that wrote it (`id`), its gold answer, and the Proposer's global step that
+    wrote it, (iteration - 1) x Proposer steps + step, which decides when the replay buffer drops it."""
+
+    id: str
+    question: str
+    answer: str
+    iteration: int
+    global_step: int
+
+
+def proposer_prompts(documents, n: int, strata: list[int], seed: int, id_prefix: str) -> list[ProposerPrompt]:
+    """Up to `n` answers from `documents` (`answer_set.corpus_answers`: one per document in a seeded order, then a
+    second, ...), each with a search-chain length of 1, 2, 3, ... apportioned by `strata` and shuffled."""
+    answers = corpus_answers(documents, n, seed)
+    searches = apportion(len(answers), strata, seed + 1)
+    return [ProposerPrompt(f"{id_prefix}{i}", a.text, a.kind, a.source, s + 1)
+            for i, (a, s) in enumerate(zip(answers, searches, strict=True))]
+
+
+# -- the replay buffer (App. B.1) -------------------------------------------------------------------------------
+
+
+def replay_period(global_step: int, reset_steps: int = REPLAY_RESET_STEPS) -> int:
+    """Which buffer a Proposer step (1, 2, ...) fills: steps 1-10 the first, 11-20 the second (cleared in between)."""
+    if global_step < 1:
+        raise ValueError(f"global steps count from 1, got {global_step}")
+    return (global_step - 1) // reset_steps
+
+
+def refill_buffer(kept: list[SspQuestion], new: list[SspQuestion], now: int,
+                  reset_steps: int = REPLAY_RESET_STEPS) -> list[SspQuestion]:
+    """The replay buffer after Proposer step `now`: the questions of `kept` and `new` written in `now`'s period
+    (the rest were cleared by a reset), each question text once (the first kept)."""
+    period = replay_period(now, reset_steps)
+    buffer: dict[str, SspQuestion] = {}
+    for q in [*kept, *new]:
+        if replay_period(q.global_step, reset_steps) == period:
+            buffer.setdefault(normalize_answer(q.question), q)
+    return list(buffer.values())
+
+
+def training_questions(new: list[SspQuestion], buffer: list[SspQuestion], slots: int, seed: int
+                       ) -> list[SspQuestion]:
+    """The Solver stage's questions: every new valid question (each text once), then, for the slots they leave
+    empty, questions drawn from the buffer without replacement (seeded; App. B.1: "invalid slots are filled by
+    sampling from the buffer"). Never a question twice."""
+    chosen: dict[str, SspQuestion] = {}
+    for q in new:
+        chosen.setdefault(normalize_answer(q.question), q)
+    older = [q for q in buffer if normalize_answer(q.question) not in chosen]
+    for q in random.Random(f"{seed}/ssp/replay").sample(older, min(len(older), max(0, slots - len(chosen)))):
+        chosen[normalize_answer(q.question)] = q
+    return list(chosen.values())
+
+
+def question_record(q: SspQuestion) -> dict[str, Any]:
+    return dataclasses.asdict(q)
+
+
+def question_from_record(record: dict[str, Any]) -> SspQuestion:
+    return SspQuestion(**{f.name: record[f.name] for f in dataclasses.fields(SspQuestion)})
+
+
+# -- the roles' rollouts ---------------------------------------------------------------------------------------
+
+
+def _one_turn(limits: RolloutLimits) -> RolloutLimits:
+    """No search: the RAG Solver answers in one turn."""
+    return dataclasses.replace(limits, max_turns=1)
+
+
+def proposer_steps(params: Params) -> int:
+    """The Proposer's GRPO steps per iteration (`selfplay.challenger_steps`, else `steps_per_role`)."""
+    return params.selfplay.challenger_steps or params.selfplay.steps_per_role
+
+
+def solver_trajectory(ctx: StageContext, traj_id: str, question: str, meta: dict[str, Any]) -> Trajectory:
+    """The Solver's rollout: the question, search allowed up to `solver.max_searches` (Search-R1's prompt, App. E)."""
+    searches = ctx.params.solver.max_searches
+    content = ssp.solver_prompt(question, searches, ctx.dialect.search_example, ctx.dialect.results_description)
+    return new_trajectory(traj_id, "solver", [{"role": "user", "content": content}], ctx.policy.tokenizer,
+                          max_searches=searches, meta=meta)
+
+
+def rag_trajectory(ctx: StageContext, traj_id: str, question: str, passages: list[str],
+                   meta: dict[str, Any]) -> Trajectory:
+    """RAG verification's rollout: the Solver without search, the passages before the question (eq. 2-3)."""
+    return new_trajectory(traj_id, "solver", [{"role": "user", "content": ssp.rag_solver_prompt(question, passages)}],
+                          ctx.policy.tokenizer, max_searches=0, meta=meta)
+
+
+def _solver_seed(ctx: StageContext, step: int, offset: int) -> int:
+    return ctx.seed * 1000 + offset + step + 100_000 * ranks.rank()
+
+
+class SspProposer:
+    """Stage 1's rules: the Proposer sees a ground-truth answer and searches (App. E); its proposals are filtered,
+    RAG-verified and tried n times by the Solver; r_propose (eq. 7). The Proposer's rollouts follow the rollout
+    machinery's answer protocol (search until a turn makes no search); its question is read from its last turn."""
+
+    extra_records = ("rag_rollouts", "solver_rollouts")
+    searches = True
+
+    def limits(self, params: Params) -> RolloutLimits:
+        return challenger_limits(params)  # the Proposer's budgets are the task writer's (challenger.*)
+
+    def new_trajectory(self, ctx: StageContext, item_id: str, item: ProposerPrompt, traj_id: str) -> Trajectory:
+        content = ssp.proposer_prompt(item.answer, item.num_searches, ctx.dialect.search_example,
+                                      ctx.dialect.results_description)
+        return new_trajectory(traj_id, "solver", [{"role": "user", "content": content}], ctx.policy.tokenizer,
+                              max_searches=item.num_searches,
+                              meta={"prompt_id": item.id, "answer": item.answer, "answer_kind": item.kind,
+                                    "document_id": item.document_id, "num_searches": item.num_searches})
+
+    def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
+                ) -> tuple[list[float | None], dict[str, Any]]:
+        ctx = session.ctx
+        ran = [t for t in trajectories if not never_ran(t)]
+        questions = {t.id: ssp.extract_question(t.turns[-1] if t.turns else "", starts_in_think=t.opens_think)
+                     for t in ran}
+        reasons = {t.id: ssp.filter_question(questions[t.id], t.meta["answer"], t.n_valid_searches) for t in ran}
+        rag, rag_s = self._verify(ctx, trajectories, questions, reasons, step)
+        verified = {t.id: ssp.answer_correct(rag[t.id].answer, t.meta["answer"]) for t in ran if t.id in rag}
+        solvers = [solver_trajectory(ctx, f"{t.id}/s{j}", questions[t.id], {"question_id": t.id})
+                   for t in ran if verified.get(t.id) for j in range(ctx.params.selfplay.solver_rollouts_train)]
+        stats = None
+        if solvers:
+            limits = solver_limits(ctx.params)
+            limits.seed = _solver_seed(ctx, step, 500)
+            stats = run_rollouts(solvers, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
+                                 adapter=ctx.solver_adapter)
+        solved: dict[str, list[bool]] = {}
+        by_id = {t.id: t for t in trajectories}
+        for s in solvers:
+            s.meta["correct"] = ssp.answer_correct(s.answer, by_id[s.meta["question_id"]].meta["answer"])
+            solved.setdefault(s.meta["question_id"], []).append(s.meta["correct"])
+        values = [ssp.proposer_reward(solved.get(t.id, []), t.id in solved) if t.id in questions else None
+                  for t in trajectories]
+        self._write(session, step, trajectories, questions, reasons, rag, verified, solved, solvers, values)
+        rates = [mean_of(v) for v in solved.values()]
+        checked = list(verified.values())
+        return values, {
+            **reward_stats(values),
+            "valid_rate": mean_of([t.id in solved for t in ran]) if ran else None,
+            "filter_pass_rate": mean_of([r is None for r in reasons.values()]) if ran else None,
+            "rag_pass_rate": mean_of(checked) if checked else None,
+            "solver_success": mean_of(rates) if rates else None,
+            "zero_spread_tasks": mean_of([r in (0.0, 1.0) for r in rates]) if rates else None,
+            "rag_rollouts": len(rag), "solver_rollouts": len(solvers),
+            "solver_rollout_s": (stats.total_s if stats else 0.0) + rag_s,
+            "solver_stops_in_thinking": stats.stops_in_thinking if stats else 0}
+
+    def _verify(self, ctx: StageContext, trajectories: list[Trajectory], questions: dict[str, str | None],
+                reasons: dict[str, str | None], step: int) -> tuple[dict[str, Trajectory], float]:
+        """RAG verification (eq. 3) of every proposal that passed the rule filters: one no-search Solver answer from
+        its own retrieved results plus noise results of the batch's other trajectories (`ssp.rag_passages`). Returns
+        the RAG rollouts by proposal id and the seconds they took."""
+        batch_passages = [t.evidence for t in trajectories]
+        rag: dict[str, Trajectory] = {}
+        for i, t in enumerate(trajectories):
+            if t.id in reasons and reasons[t.id] is None:
+                passages = ssp.rag_passages(batch_passages, i, seed=f"{ctx.seed}/{step}")
+                own = sum(p in t.evidence for p in passages)
+                rag[t.id] = rag_trajectory(ctx, f"{t.id}/rag", questions[t.id], passages,
+                                           {"question_id": t.id, "own_passages": own,
+                                            "noise_passages": len(passages) - own})
+        if not rag:
+            return rag, 0.0
+        limits = _one_turn(solver_limits(ctx.params))
+        limits.seed = _solver_seed(ctx, step, 700)
+        stats = run_rollouts(list(rag.values()), ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
+                             adapter=ctx.solver_adapter)
+        return rag, stats.total_s
+
+    def _write(self, session: RoleSession, step: int, trajectories: list[Trajectory], questions, reasons, rag,
+               verified, solved, solvers, values) -> None:
+        ctx = session.ctx
+
+        def invalid_reason(t: Trajectory) -> str | None:
+            if t.id not in questions:
+                return "never_ran"
+            return reasons[t.id] or (None if verified.get(t.id) else RAG_REJECTED)
+
+        session.unwritten["rollouts"] = [
+            {"id": t.id, "iteration": ctx.iteration, "step": step + 1, "reward": value,
+             "answer": t.meta["answer"], "answer_kind": t.meta["answer_kind"], "document_id": t.meta["document_id"],
+             "num_searches": t.meta["num_searches"], "n_valid_searches": t.n_valid_searches,
+             "question": questions.get(t.id), "valid": (t.id in solved) if t.id in questions else None,
+             "invalid_reason": invalid_reason(t), "filter_reason": reasons.get(t.id),
+             "rag_verified": verified.get(t.id), "rag_answer": rag[t.id].answer if t.id in rag else None,
+             "solved": solved.get(t.id), "success_rate": mean_of(solved[t.id]) if t.id in solved else None,
+             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True)]
+        session.unwritten["rag_rollouts"] = [
+            {"id": r.id, "iteration": ctx.iteration, "step": step + 1, "question_id": r.meta["question_id"],
+             "answer": r.answer, "correct": verified[r.meta["question_id"]], "finish": r.finish,
+             "own_passages": r.meta["own_passages"], "noise_passages": r.meta["noise_passages"],
+             "trajectory": r.to_record()} for r in rag.values()]
+        session.unwritten["solver_rollouts"] = [
+            {"id": s.id, "iteration": ctx.iteration, "step": step + 1, "question_id": s.meta["question_id"],
+             "answer": s.answer, "correct": s.meta["correct"], "trajectory": s.to_record()} for s in solvers]
+
+
+class SspSolver:
+    """Stage 2's rules: the Solver sees a valid question and searches; r_solve = 1[correct] (eq. 6)."""
+
+    extra_records: tuple[str, ...] = ()
+    searches = True
+
+    def limits(self, params: Params) -> RolloutLimits:
+        return solver_limits(params)
+
+    def new_trajectory(self, ctx: StageContext, item_id: str, item: SspQuestion, traj_id: str) -> Trajectory:
+        return solver_trajectory(ctx, traj_id, item.question, {"task_id": item_id})
+
+    def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
+                ) -> tuple[list[float | None], dict[str, Any]]:
+        ctx = session.ctx
+        correct = {t.id: ssp.answer_correct(t.answer, session.items[t.meta["task_id"]].answer)
+                   for t in trajectories if not never_ran(t)}
+        values = [ssp.solver_reward(correct[t.id]) if t.id in correct else None for t in trajectories]
+        session.unwritten["rollouts"] = [
+            {"id": t.id, "iteration": ctx.iteration, "step": step + 1, "task_id": t.meta["task_id"], "reward": value,
+             "from_buffer": session.items[t.meta["task_id"]].iteration < ctx.iteration,
+             "answer": t.answer, "correct": correct.get(t.id), "trajectory": t.to_record()}
+            for t, value in zip(trajectories, values, strict=True)]
+        return values, {**reward_stats(values), "pass_rate": mean_of(correct.values()) if correct else None,
+                        "answer_rate": mean_of([t.answer is not None for t in trajectories])}
+
+
+# -- the stages -------------------------------------------------------------------------------------------------
+
+
+def train_proposer(r: SelfPlayRun, t: int) -> dict:
+    """Stage 1: GRPO on r_propose over `selfplay.challenger_prompts` answers from fresh documents."""
+    stage = r.stage(t, "challenger")
+    if stage.done:
+        return stage.summary
+    start = documents_start(r, t, "challenger")
+    sp = r.params.selfplay
+    reset_stage(r, t, stage)
+    publish_roles(r, t, "challenger", ("solver",))  # the Solver verifies and answers the Proposer's questions
+    documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed, limit=r.training_documents)
+    prompts = proposer_prompts(documents, sp.challenger_prompts, sp.search_turn_strata,
+                               stage_seed(r.params, t, "challenger"), id_prefix=f"i{t:02d}-a")
+    if not prompts:
+        raise RuntimeError(f"iteration {t}: the corpus rule found no answer in documents {start}..{start + len(documents)}"
+                           " of the run's permutation (answer_set.corpus_answers); raise selfplay.challenger_prompts")
+    result = train_role(stage_context(r, t, "challenger", stage), {p.id: p for p in prompts})
+    attempts = [rec for rec in stage.records("rollouts") if rec["valid"] is not None]
+    valid = sum(rec["valid"] for rec in attempts)
+    checked = [rec["rag_verified"] for rec in attempts if rec["rag_verified"] is not None]
+    rates = [rec["success_rate"] for rec in attempts if rec["success_rate"] is not None]
+    summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
+               "documents": [start, start + len(documents)], "answers": len(prompts), "saved": result.saved.name,
+               "reward": [m.get("reward") for m in result.metrics], "attempts": len(attempts), "valid": valid,
+               "valid_rate": valid / len(attempts) if attempts else 0.0,
+               "invalid_reasons": dict(Counter(rec["invalid_reason"] for rec in attempts if not rec["valid"])),
+               "rag_checked": len(checked), "rag_passed": sum(checked),
+               "rag_pass_rate": sum(checked) / len(checked) if checked else None,
+               "solver_success": mean_of(rates) if rates else None,
+               "zero_spread_tasks": mean_of([x in (0.0, 1.0) for x in rates]) if rates else None}
+    consequence = "the Solver trains only on the replay buffer's questions this iteration, if it holds any"
+    for alarm in health.check_valid_tasks({**summary, "iteration": t}, consequence=consequence):
+        r.alarms.append(alarm)
+        if ranks.is_main():
+            health.report(alarm, r.run_dir)
+    mark_done(stage, summary, result.saved)
+    return summary
+
+
+def new_questions(records, t: int, steps: int) -> list[SspQuestion]:
+    """Stage 1's valid questions of iteration t, in record order."""
+    return [SspQuestion(rec["id"], rec["question"], rec["answer"], t, (t - 1) * steps + rec["step"])
+            for rec in records if rec.get("valid")]
+
+
+def replay_buffer(r: SelfPlayRun, t: int) -> list[SspQuestion]:
+    """The replay buffer iteration t left (its Solver stage's `replay_buffer.jsonl`); empty before iteration 1."""
+    if t < 1:
+        return []
+    path = r.stage(t, "solver").path / "replay_buffer.jsonl"
+    if not r.stage(t, "solver").done:
+        raise RuntimeError(f"iteration {t}'s Solver stage is not finished; run the iterations in order")
+    return [question_from_record(rec) for rec in read_jsonl(path)] if path.is_file() else []
+
+
+def train_solver(r: SelfPlayRun, t: int) -> dict:
+    """Stage 2: GRPO on r_solve over Stage 1's valid questions and the replay buffer's, G rollouts with search each."""
+    stage = r.stage(t, "solver")
+    if stage.done:
+        return stage.summary
+    reset_stage(r, t, stage)
+    steps = proposer_steps(r.params)
+    now = t * steps  # the Proposer's last global step so far
+    new = new_questions(r.stage(t, "challenger").records("rollouts"), t, steps)
+    before = refill_buffer(replay_buffer(r, t - 1), [], now)  # what a reset since then has not cleared
+    slots = r.params.selfplay.steps_per_role * r.params.solver.batch_size
+    questions = training_questions(new, before, slots, stage_seed(r.params, t, "solver"))
+    buffer = refill_buffer(before, new, now)
+    if ranks.is_main():  # stored, so that the next iteration (or a resumed run) starts from it
+        write_jsonl(stage.path / "replay_buffer.jsonl", [question_record(q) for q in buffer])
+    ranks.barrier()
+    replay = {"period": replay_period(now), "new": len(new), "from_buffer": sum(q.iteration < t for q in questions),
+              "buffer": len(buffer)}
+    if not questions:
+        summary = {"skipped": "no valid question", "steps": 0, "questions": 0, "replay": replay,
+                   "note": "no valid question this iteration and none in the replay buffer; the Solver keeps its "
+                           "weights (see the alarms)"}
+        mark_done(stage, summary)
+        return summary
+    result = train_role(stage_context(r, t, "solver", stage), {q.id: q for q in questions})
+    summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "questions": len(questions),
+               "replay": replay, "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
+               "pass_rate": [m.get("pass_rate") for m in result.metrics]}
+    mark_done(stage, summary, result.saved)
+    return summary
+
+
+class Ssp(Method):
+    """SSP's two stages per iteration and its two roles' rules (the Proposer trains as the `challenger` role)."""
+
+    name = "ssp"
+    _rules = {"challenger": SspProposer(), "solver": SspSolver()}
+
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        return (StageSpec("challenger", train_proposer, trains="challenger"),
+                StageSpec("solver", train_solver, trains="solver"))
+
+    def role_rules(self, role: str):
+        if role not in self._rules:
+            raise ValueError(f"SSP has no role {role!r}; it trains {', '.join(self._rules)}")
+        return self._rules[role]
+
+
+SSP = Ssp()

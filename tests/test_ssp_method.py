@@ -1,0 +1,276 @@
+"""Search Self-Play as a method of the library (`selfplay.methods.ssp`, issue 48 item 4): one iteration end to end on
+the tiny model with real GRPO updates of one shared adapter and a scripted engine that plays SSP's protocol; the rule
+filters and RAG verification as the loop wires them, the rewards (eq. 6-7), the records and the alarm; the replay
+buffer's periodic reset; a Solver stage interrupted mid-way resumes with nothing duplicated."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from scripted_engine import ScriptedEngine
+from training_helpers import FAST, REPO, comparable, load_policy
+
+from scope_lib.config import load_params
+from scope_lib.protocol.dialects import get_dialect
+from scope_lib.retrieval.index import build_or_open_index
+from scope_lib.runs import read_jsonl
+from scope_lib.selfplay.judge import Judge
+from scope_lib.selfplay.loop import run
+from scope_lib.selfplay.methods.ssp import (
+    RAG_REJECTED,
+    SspQuestion,
+    refill_buffer,
+    replay_period,
+    training_questions,
+)
+
+DIALECT = get_dialect("qwen2.5")
+ROT = str.maketrans("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789",
+                    "nopqrstuvwxyzabcdefghijklmNOPQRSTUVWXYZABCDEFGHIJKLM1234567890")
+UNROT = {v: k for k, v in ROT.items()}
+
+
+def code(answer: str) -> str:
+    """The answer written so that no word of it is left (rot13, digits + 1): the question carries the answer without
+    containing it, and the scripted Solver reads it back."""
+    return answer.translate(ROT)
+
+
+def decode(text: str) -> str:
+    return text.translate(UNROT)
+
+
+#: What the scripted Proposer writes once it has searched, in turn: a valid question (its answer coded), one that
+#: names its answer (the rule filter's `answer_in_question`), one that nothing answers (RAG verification rejects it).
+QUESTIONS = ("Which name or number is coded as [code: {code}] in the passages I found?",
+             "Which name or number is {answer}, as the passages I found say?",
+             "Which name or number did the passages I found point to in the end?")
+
+
+def first_user(context: str) -> str:
+    return context.split("<|im_start|>user\n", 1)[-1]
+
+
+class SspEngine(ScriptedEngine):
+    """Plays SSP on the decoded contexts. The Proposer searches its answer as many times as its prompt asks, then
+    writes the QUESTIONS in turn (`questions`: which kinds, cycled); the RAG Solver answers a coded question when its
+    documents hold results; the Solver searches once, then even rows of a batch answer the coded question and odd
+    rows say they do not know (TRL and the loop put a question's rollouts side by side, so each group has spread)."""
+
+    def __init__(self, tokenizer, *, questions=(0, 1, 2), crash=None):
+        super().__init__(tokenizer, DIALECT)
+        self.questions = questions
+        self.proposed = 0
+        self.crash = crash          # () -> bool: raise KeyboardInterrupt at a Solver call when true (a kill)
+        self.proposer_calls = 0
+
+    def generate(self, prompt_token_ids, sampling, adapter=None):
+        self.calls += 1
+        out = []
+        for row, ids in enumerate(prompt_token_ids):
+            context = self.tokenizer.decode(ids)
+            out.append(self._complete(self.write(context, row), sampling))
+        return out
+
+    def write(self, context: str, row: int) -> str:
+        user = first_user(context)
+        if user.startswith("You write search questions backwards"):
+            self.proposer_calls += 1
+            return self.propose(context)
+        coded = re.search(r"\[code: (.+?)\]", context)
+        if user.startswith("Answer the question from the documents"):
+            documents = context.split("<documents>", 1)[-1].split("</documents>", 1)[0]
+            found = coded and "Doc 1" in documents
+            return f"<think>From the documents.</think>\n<answer>{decode(coded.group(1)) if found else 'unknown'}</answer>"
+        if user.startswith("Answer the question below"):
+            if self.crash is not None and self.crash():
+                raise KeyboardInterrupt("killed")
+            if not self._searched(context):
+                return f"<think>I search first.</think>\n{DIALECT.format_search('passages I found')}"
+            answer = decode(coded.group(1)) if coded and row % 2 == 0 else "I do not know"
+            return f"<think>I have read the results.</think>\n<answer>{answer}</answer>"
+        return "I do not know what to do."
+
+    def propose(self, context: str) -> str:
+        answer = re.search(r"\nAnswer: (.+)\n", context).group(1).strip()
+        needed = int(re.search(r"following that chain with (\d+) search", context).group(1))
+        searched = self._searched(context)
+        if len(searched) < needed:
+            query = answer if not searched else f"{answer} {len(searched)}"
+            return f"<think>I look up what leads to {answer}.</think>\n{DIALECT.format_search(query)}"
+        if self.questions is None:
+            return "<think>I would rather not write a question.</think>"
+        kind = self.questions[self.proposed % len(self.questions)]
+        self.proposed += 1
+        return "<think>The chain is complete.</think>\n<question>" + QUESTIONS[kind].format(
+            code=code(answer), answer=answer) + "</question>"
+
+
+SETTINGS = {"selfplay.iterations": 1, "selfplay.challenger_steps": 1, "selfplay.steps_per_role": 2}
+
+
+def ssp_params(tmp_path, data_dir, **overrides):
+    return load_params(REPO / "params" / "ssp-smoke.yaml",
+                       {"run.runs_dir": str(tmp_path), "run.data_dir": str(data_dir), **FAST, **SETTINGS,
+                        **overrides})
+
+
+@pytest.fixture(scope="module")
+def retriever(tmp_path_factory, wiki_sample):
+    return build_or_open_index(ssp_params(tmp_path_factory.mktemp("index"), wiki_sample.parent), progress=False)
+
+
+def run_ssp(params, tiny_model_dir, retriever, **engine):
+    policy = load_policy(params, tiny_model_dir)
+    engine = SspEngine(policy.tokenizer, **engine)
+    return run(params, policy=policy, engine=engine, judge=Judge(engine, params.judge, seed=0),
+               retriever=retriever), engine
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, wiki_sample, tiny_model_dir, retriever):
+    params = ssp_params(tmp_path_factory.mktemp("ssp"), wiki_sample.parent)
+    result, _ = run_ssp(params, tiny_model_dir, retriever)
+    return params, result
+
+
+def test_ssp_runs_one_iteration_with_its_filters_verification_and_rewards(uninterrupted):
+    params, result = uninterrupted
+    assert (params.method, params.model.shared_policy, params.grpo.loss_type, params.grpo.scale_rewards) == (
+        "ssp", True, "grpo", "none")
+    assert list(result.policy.model.peft_config) == ["policy"]
+    folder = params.run_dir / "iter_01"
+    for stage in ("challenger", "solver"):
+        assert (folder / stage / "DONE").is_file()
+        assert (folder / stage / "adapter" / "adapter_config.json").is_file()
+    n = params.selfplay.solver_rollouts_train
+    proposals = read_jsonl(folder / "challenger" / "rollouts.jsonl")
+    assert len(proposals) == params.challenger.batch_size * params.grpo.group_size == 4
+    # the scripted Proposer wrote, in turn: valid, the answer inside, unanswerable, valid
+    by_reason = {}
+    for p in proposals:
+        by_reason.setdefault(p["invalid_reason"], []).append(p)
+        assert p["n_valid_searches"] == p["num_searches"] >= 1
+    assert sorted(by_reason, key=str) == sorted([None, "answer_in_question", RAG_REJECTED], key=str)
+    assert len(by_reason[None]) == 2
+    leak = by_reason["answer_in_question"][0]    # the rule filter rejects it before any RAG answer
+    assert leak["answer"] in leak["question"] and leak["filter_reason"] == "answer_in_question"
+    assert (leak["valid"], leak["rag_verified"], leak["solved"], leak["reward"]) == (False, None, None, 0.0)
+    unanswerable = by_reason[RAG_REJECTED][0]    # passes the filters; the RAG Solver cannot answer it
+    assert (unanswerable["filter_reason"], unanswerable["rag_verified"], unanswerable["rag_answer"]) == (
+        None, False, "unknown")
+    assert (unanswerable["valid"], unanswerable["solved"], unanswerable["reward"]) == (False, None, 0.0)
+    for p in by_reason[None]:                    # n Solver answers: the even one right, the odd one wrong
+        assert (p["valid"], p["rag_verified"], p["rag_answer"]) == (True, True, p["answer"])
+        assert (p["solved"], p["success_rate"], p["reward"]) == ([True, False], 0.5, 0.5)   # eq. 7: 1 - 1/2
+    rag = read_jsonl(folder / "challenger" / "rag_rollouts.jsonl")
+    assert sorted(r["question_id"] for r in rag) == sorted(p["id"] for p in proposals if p["filter_reason"] is None)
+    evidence = {p["id"]: [s["results"] for s in p["trajectory"]["searches"] if s["valid"]] for p in proposals}
+    for r in rag:   # the RAG prompt: every result the Proposer saw, and up to 4 of the others' (noise)
+        prompt = r["trajectory"]["messages"][0]["content"]
+        assert all(block.strip() in prompt for block in evidence[r["question_id"]]) and r["own_passages"] >= 1
+        others = {b for pid, blocks in evidence.items() if pid != r["question_id"] for b in blocks
+                  if b not in evidence[r["question_id"]]}
+        assert r["noise_passages"] == min(4, len(others)) >= 1
+        assert r["trajectory"]["searches"] == [] and "<search>" not in prompt
+    solver = read_jsonl(folder / "challenger" / "solver_rollouts.jsonl")
+    assert len(solver) == n * 2 and all(s["trajectory"]["searches"] for s in solver)
+    metrics = read_jsonl(folder / "challenger" / "metrics.jsonl")[0]
+    assert (metrics["valid_rate"], metrics["filter_pass_rate"], metrics["rag_pass_rate"]) == (0.5, 0.75, 2 / 3)
+    assert (metrics["solver_success"], metrics["zero_spread_tasks"], metrics["reward"]) == (0.5, 0.0, 0.25)
+    summary = json.loads((folder / "challenger" / "DONE").read_text())
+    assert (summary["attempts"], summary["valid"], summary["rag_checked"], summary["rag_passed"]) == (4, 2, 3, 2)
+    assert summary["invalid_reasons"] == {"answer_in_question": 1, RAG_REJECTED: 1}
+    # Stage 2: the Solver on the two valid questions, r_solve = 1[correct] (eq. 6)
+    answers = read_jsonl(folder / "solver" / "rollouts.jsonl")
+    assert len(answers) == params.selfplay.steps_per_role * params.solver.batch_size * params.grpo.group_size
+    assert {a["task_id"] for a in answers} == {p["id"] for p in by_reason[None]}
+    assert all(a["reward"] == float(a["correct"]) and not a["from_buffer"] for a in answers)
+    assert {a["correct"] for a in answers} == {True, False}
+    buffer = read_jsonl(folder / "solver" / "replay_buffer.jsonl")
+    assert sorted(q["id"] for q in buffer) == sorted(p["id"] for p in by_reason[None])
+    assert all(q["global_step"] == 1 for q in buffer)
+    solver_summary = json.loads((folder / "solver" / "DONE").read_text())
+    assert solver_summary["replay"] == {"period": 0, "new": 2, "from_buffer": 0, "buffer": 2}
+    assert "no_valid_task" not in [a["alarm"] for a in result.alarms]
+
+
+def test_an_ssp_iteration_without_a_valid_question_says_so_and_goes_on(tmp_path, wiki_sample, tiny_model_dir,
+                                                                       retriever):
+    params = ssp_params(tmp_path, wiki_sample.parent, **{"selfplay.steps_per_role": 1})
+    result, _ = run_ssp(params, tiny_model_dir, retriever, questions=None)
+    assert "no_valid_task" in [a["alarm"] for a in result.alarms]
+    assert "replay buffer" in (params.run_dir / "health.jsonl").read_text()
+    proposals = read_jsonl(params.run_dir / "iter_01" / "challenger" / "rollouts.jsonl")
+    assert proposals and all((p["reward"], p["invalid_reason"]) == (0.0, "no_question") for p in proposals)
+    solver = json.loads((params.run_dir / "iter_01" / "solver" / "DONE").read_text())
+    assert solver["skipped"] == "no valid question" and solver["steps"] == 0
+    assert read_jsonl(params.run_dir / "iter_01" / "solver" / "replay_buffer.jsonl") == []
+
+
+def test_a_solver_stage_killed_mid_way_resumes_with_nothing_duplicated(tmp_path, wiki_sample, tiny_model_dir,
+                                                                       retriever, uninterrupted):
+    clean_params, _ = uninterrupted
+    params = ssp_params(tmp_path, wiki_sample.parent)
+    metrics = params.run_dir / "iter_01" / "solver" / "metrics.jsonl"
+    with pytest.raises(KeyboardInterrupt):   # killed in the Solver stage's second step
+        run_ssp(params, tiny_model_dir, retriever, crash=lambda: metrics.is_file() and metrics.read_text().strip())
+    assert not (params.run_dir / "iter_01" / "solver" / "DONE").exists()
+    _, engine = run_ssp(params, tiny_model_dir, retriever)
+    assert engine.proposer_calls == 0      # the finished Proposer stage is not redone
+    mine, theirs = params.run_dir / "iter_01", clean_params.run_dir / "iter_01"
+    for name in ("challenger/rollouts", "challenger/rag_rollouts", "challenger/solver_rollouts", "solver/rollouts",
+                 "solver/replay_buffer"):
+        ids = [r["id"] for r in read_jsonl(mine / f"{name}.jsonl")]
+        assert len(ids) == len(set(ids)), f"duplicated records in {name}"
+        assert comparable(mine / f"{name}.jsonl") == comparable(theirs / f"{name}.jsonl"), name
+    assert [(m["id"], m["reward"]) for m in comparable(mine / "solver" / "metrics.jsonl")] == [
+        (m["id"], m["reward"]) for m in comparable(theirs / "solver" / "metrics.jsonl")]
+    from safetensors.torch import load_file
+
+    a = load_file(str(mine / "solver" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(theirs / "solver" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def question(id: str, step: int, text: str | None = None, iteration: int = 1) -> SspQuestion:
+    return SspQuestion(id, text or f"Which question is number {id}?", "x", iteration, step)
+
+
+def test_the_replay_buffer_is_cleared_every_ten_proposer_steps():
+    assert [replay_period(g) for g in (1, 10, 11, 20, 21)] == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError):
+        replay_period(0)
+    kept = [question("a", 3), question("b", 9)]
+    assert refill_buffer(kept, [question("c", 10)], now=10) == [*kept, question("c", 10)]
+    assert refill_buffer(kept, [question("d", 12)], now=12) == [question("d", 12)]   # step 11 cleared a and b
+    assert refill_buffer(kept, [question("e", 10, kept[0].question)], now=10) == kept  # one copy of a text
+
+
+def test_the_solver_stage_takes_every_new_question_and_fills_the_rest_from_the_buffer():
+    new = [question("n1", 12, iteration=2), question("n2", 12, "Which question is number n1?", iteration=2)]
+    buffer = [question(f"b{i}", 11) for i in range(5)]
+    chosen = training_questions(new, buffer, slots=3, seed=0)
+    assert chosen[0] == new[0] and len(chosen) == 3          # n2 repeats n1's text: left out
+    assert set(chosen[1:]) <= set(buffer) and len(set(chosen)) == 3
+    assert chosen == training_questions(new, buffer, slots=3, seed=0)   # seeded
+    assert training_questions(new, buffer, slots=1, seed=0) == [new[0]]  # new questions are never dropped
+    assert len(training_questions([], buffer, slots=8, seed=0)) == 5    # no question twice
+
+
+def test_scope_plan_estimates_ssp_at_the_papers_settings_with_one_adapter():
+    from scope_lib.models.gpu_plan import plan_gpu
+
+    params = load_params(REPO / "params" / "ssp-qwen2.5-7b.yaml")
+    assert (params.method, params.model.base, params.grpo.group_size, params.selfplay.solver_rollouts_train) == (
+        "ssp", "Qwen/Qwen2.5-7B-Instruct", 5, 5)
+    report = plan_gpu(params, gpu_gib=141)
+    rows = {r.item: r.gib for r in report.rows}
+    assert "frozen second adapter (fp32)" not in rows           # one policy plays both roles
+    two = plan_gpu(load_params(REPO / "params" / "qwen2.5-7b.yaml"), gpu_gib=141)
+    second = {r.item: r.gib for r in two.rows}["frozen second adapter (fp32)"]
+    assert second == pytest.approx(rows["trained adapter + gradient + AdamW (fp32)"] / 4)   # 4 B of the 16 B
+    assert report.fits and "12288 tokens" in " ".join(r.note for r in report.rows)   # 4,096 prompt + 8,192 reply
