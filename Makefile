@@ -41,8 +41,11 @@ demo-smollm: $(STAMP)
 # (grpo.seed: the GRPO stages' sampling and permutations), then each checked on 48 held-out tasks
 # (`scope learning-check compare`, written to runs/<name>/learning_check/). SEEDS=42 runs one seed: about 1 h 20 min
 # on 2 cores (docs/training.md, "The learning check on SmolLM2"), plus about 48 minutes once for the held-out set.
+# Then the seeds pooled (`scope learning-check pool`: seeds, then tasks; the pooled verdict) and the first three
+# held-out tasks' answers verbatim (`scope learning-check examples`), both under runs/learning_check_pooled/.
 SEEDS ?= 42 43 44
 LEARN := params/smollm-learn.yaml
+LEARN_RUNS = $(foreach seed,$(SEEDS),runs/smollm-learn-$(seed))
 learning-smollm: $(STAMP)
 	for seed in $(SEEDS); do \
 	  $(BIN)/scope train $(LEARN) -o run.name=smollm-learn-$$seed -o grpo.seed=$$seed && \
@@ -51,6 +54,8 @@ learning-smollm: $(STAMP)
 	  $(BIN)/scope learning-check compare $(LEARN) -o run.name=smollm-learn-$$seed -o grpo.seed=$$seed \
 	    --after iter_01/solver --control runs/smollm-learn-$$seed-control/iter_01/solver || exit 1; \
 	done
+	$(BIN)/scope learning-check pool $(LEARN_RUNS)
+	$(BIN)/scope learning-check examples $(LEARN_RUNS) --out runs/learning_check_pooled/smollm-learn-examples.md
 
 # The README's copy of notebook 04's Solver figure, exported by plotly (kaleido + Chromium) from runs/smoke (after `make demo`).
 readme-figure: $(STAMP) chromium

@@ -23,6 +23,8 @@
                                                  the Challenger's check: window share over M0's Challenger, verdict
     scope learning-check play PARAMS --challenger base iter_01/challenger --solver base iter_01/solver
                                                  held-out cross-checkpoint play: Challenger_i's tasks x Solver_j
+    scope learning-check pool RUN [RUN ...]      the seeds' checks pooled (seeds, then tasks), the pooled verdict
+    scope learning-check examples RUN [RUN ...]  the first 3 held-out tasks by id, M0's and each trained answer (md)
 
 train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
 (bad parameters, a missing or damaged file, disk full, permissions, a locked run, a server down) ends in one
@@ -42,7 +44,7 @@ import signal
 import sqlite3
 import sys
 
-from scope_lib.config import ParamsError, describe_fields, load_params
+from scope_lib.config import LearningCheckConfig, ParamsError, describe_fields, load_params
 from scope_lib.models.noise import quiet_library_noise
 
 log = logging.getLogger("scope")
@@ -441,6 +443,47 @@ def cmd_check_compare(args) -> int:
     return 0
 
 
+def cmd_check_pool(args) -> int:
+    from pathlib import Path
+
+    from scope_lib.evaluation.pooled_check import pool_checks, pooled_path
+    from scope_lib.runs import atomic_write_json
+
+    pooled = pool_checks(args.checks, n_samples=args.bootstrap_samples, seed=args.seed,
+                         accept_untrusted_judge=args.accept_untrusted_judge)
+
+    def cell(c) -> str:
+        return "-" if c is None else f"{c.gain:+.3f} [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}] n={c.n_tasks}"
+
+    print(f"{len(pooled.checks)} seeds' checks pooled: the gain over M0 and trained - control per seed (each check's "
+          f"own interval) and pooled ({pooled.n_samples} resamples of the seeds, then of the tasks):")
+    print(f"{'measure':<30} {'seed':<28} {'gain over M0 [95% CI]':<32} trained - control [95% CI]")
+    shown = None
+    for row in pooled.table():
+        measure = "" if row["measure"] == shown else row["measure"]
+        shown = row["measure"]
+        print(f"{measure:<30} {row['seed']:<28} {cell(row['trained']):<32} {cell(row['over_control'])}")
+    for c in pooled.checks:
+        print(f"{c.run}: {c.record['verdict']['reason']}")
+    print(f"pooled: {pooled.verdict.reason}")
+    out = Path(args.out) if args.out else pooled_path(pooled.checks)
+    atomic_write_json(out, pooled.to_record())
+    print(f"written: {out}")
+    return 0
+
+
+def cmd_check_examples(args) -> int:
+    from scope_lib.evaluation.pooled_check import examples_markdown, held_out_examples
+    from scope_lib.runs import atomic_write_text
+
+    text = examples_markdown(held_out_examples(args.checks, args.tasks))
+    print(text)
+    if args.out:
+        atomic_write_text(args.out, text)
+        print(f"written: {args.out}")
+    return 0
+
+
 def cmd_runs_verify(args) -> int:
     from pathlib import Path
 
@@ -579,6 +622,25 @@ def build_parser() -> argparse.ArgumentParser:
     play.add_argument("--challenger", nargs="+", required=True, metavar="C", help="base, iter_NN/challenger or a path")
     play.add_argument("--solver", nargs="+", required=True, metavar="C", help="base, iter_NN/solver or a path")
     play.set_defaults(func=cmd_check_play)
+    pool = check.add_parser("pool", help="the seeds' checks pooled: per seed and pooled (seeds, then tasks), "
+                            "the pooled verdict (reads what compare wrote; no model)")
+    pool.add_argument("checks", nargs="+", metavar="CHECK",
+                      help="each seed's run folder (runs/<name>, its learning_check/ holding one Solver check) or "
+                      "the check's JSON")
+    pool.add_argument("--out", default=None, metavar="FILE",
+                      help="the pooled JSON (default <runs>/learning_check_pooled/<run>+<run>+....json)")
+    pool.add_argument("--bootstrap-samples", type=int, default=LearningCheckConfig().bootstrap_samples, metavar="N",
+                      help="resamples for the pooled 95%% intervals (default learning_check.bootstrap_samples' default)")
+    pool.add_argument("--seed", type=int, default=LearningCheckConfig().seed, help="the bootstrap's seed")
+    pool.add_argument("--accept-untrusted-judge", action="store_true",
+                      help="call a pooled gain learned even when a seed's grader failed its calibration probe")
+    pool.set_defaults(func=cmd_check_pool)
+    examples = check.add_parser("examples", help="held-out tasks verbatim: the first N by task id, their rubrics, "
+                                "M0's and each trained Solver's first answer, as markdown (no model)")
+    examples.add_argument("checks", nargs="+", metavar="CHECK", help="as for pool: each seed's run folder or check")
+    examples.add_argument("--tasks", type=int, default=3, metavar="N", help="how many tasks (default 3)")
+    examples.add_argument("--out", default=None, metavar="FILE.md", help="also write the markdown there")
+    examples.set_defaults(func=cmd_check_examples)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)
     verify = runs.add_parser("verify", help="check every saved checkpoint and record of a run; exit 1 on a damaged one")

@@ -488,6 +488,15 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     calls = scripted.calls
     assert main(args + ["--control", str(control)]) == 0                      # everything stored: nothing opened
     assert scripted.calls == calls and len(opened) == 1 and "learned: the gain" in capsys.readouterr().out
+    # the written check pooled (one seed) and its first held-out answers shown verbatim: stored files, no model
+    assert main(["learning-check", "pool", str(run.run_dir), "--bootstrap-samples", "500"]) == 0
+    pooled = capsys.readouterr().out
+    assert "pooled (1 seed)" in pooled and "pooled: learned: the gain" in pooled
+    assert main(["learning-check", "examples", str(run.run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("### h0000-") == 3 and "**M0** (g = " in shown and "> It is about " in shown
+    assert f"**trained Solver ({run.run_dir.name})** (g = 1.00, rubric-fact recall" in shown
+    assert scripted.calls == calls and len(opened) == 1
     # a trained run given as the control, a control given as the trained run, no reserved documents
     assert main(args + ["--control", "iter_01/solver"]) == 2
     assert "its Solver trained on its rewards, so it is no control" in capsys.readouterr().err

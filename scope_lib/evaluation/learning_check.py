@@ -137,8 +137,14 @@ def checkpoint_fingerprint(ck: Checkpoint, m0: str = "") -> str:
 
 
 def evaluation_path(held_out: HeldOutSet, ck: Checkpoint, seed: int) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", ck.name).strip("-.") or "checkpoint"
-    return held_out.path / "evaluations" / f"{slug}-{checkpoint_fingerprint(ck, held_out.model)[:12]}-seed{seed}.jsonl"
+    return evaluation_file(held_out.path, ck.name, checkpoint_fingerprint(ck, held_out.model), seed)
+
+
+def evaluation_file(folder: str | Path, checkpoint: str, fingerprint: str, seed: int) -> Path:
+    """Where a checkpoint's evaluation (by its name, weights' fingerprint and seed) lies in a held-out set's folder:
+    what a written check records (`LearningCheck.to_record`) finds it again by."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", checkpoint).strip("-.") or "checkpoint"
+    return Path(folder) / "evaluations" / f"{slug}-{fingerprint[:12]}-seed{seed}.jsonl"
 
 
 def _result(rec: dict[str, Any]) -> TaskResult:
@@ -241,10 +247,16 @@ class Comparison:
     values_before: list[float]
     values_after: list[float]
     ci95: tuple[float, float]
+    pooled_over: str | None = None  # pooled over seeds (`evaluation.pooled_check`): "3 seeds × 48 tasks"
 
     @property
     def n_tasks(self) -> int:
         return len(self.task_ids)
+
+    @property
+    def extent(self) -> str:
+        """What the comparison pairs, in words: "48 tasks", or the seeds and tasks it pools."""
+        return self.pooled_over or f"{self.n_tasks} tasks"
 
     @property
     def differences(self) -> list[float]:
@@ -262,10 +274,18 @@ class Comparison:
     def mean_after(self) -> float:
         return sum(self.values_after) / len(self.task_ids)
 
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Comparison:
+        """A comparison read back from a written check (`to_record`)."""
+        rows = record["per_task"]
+        return cls(record["before"], record["after"], record["metric"], [r["task_id"] for r in rows],
+                   [float(r["before"]) for r in rows], [float(r["after"]) for r in rows],
+                   (float(record["ci95"][0]), float(record["ci95"][1])), record.get("pooled_over"))
+
     def to_record(self) -> dict[str, Any]:
         return {"before": self.before, "after": self.after, "metric": self.metric, "tasks": self.n_tasks,
                 "mean_before": self.mean_before, "mean_after": self.mean_after, "gain": self.gain,
-                "ci95": list(self.ci95),
+                "ci95": list(self.ci95), **({"pooled_over": self.pooled_over} if self.pooled_over else {}),
                 "per_task": [{"task_id": t, "before": b, "after": a}
                              for t, b, a in zip(self.task_ids, self.values_before, self.values_after, strict=True)]}
 
@@ -447,7 +467,7 @@ def _gain_verdict(trained: Comparison, control: Comparison | None, over: Compari
               "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None,
               "over_control": over.gain if over else None, "over_control_ci95": over.ci95 if over else None}
     if lo <= 0:
-        return Verdict("not learned", f"not learned: the gain {interval_text(trained)} over {trained.n_tasks} tasks "
+        return Verdict("not learned", f"not learned: the gain {interval_text(trained)} over {trained.extent} "
                        "does not lie above 0 (no gain that can be told from noise)", **common)
     if control is None:
         return Verdict("not shown", f"not shown: the gain {interval_text(trained)} is above 0, but without a "
