@@ -758,6 +758,27 @@ class LearningCheckConfig(Section):
         "shown'; either way the verdict names the probe's numbers.")
 
 
+class SpiceConfig(Section):
+    """SPICE's loop (`method: spice`, arXiv 2510.24684; docs/methods.md, "SPICE's loop"). Read by no other method."""
+
+    attempts: int = Field(
+        1024, ge=1, description="N, the most Challenger attempts per document (Algorithm 1 line 5; §3.1: 'at least "
+        "one valid task per document with up to N = 1024 attempts'). They are drawn G (grpo.group_size) at a time "
+        "until one is a valid task or N are drawn (at least G always); G of them, with their valid:invalid ratio, "
+        "are the document's GRPO group (line 6).")
+    format_choice: Literal["challenger", "apportioned"] = Field(
+        "challenger", description="Who picks a document's answer type: 'challenger' = the paper's (App. E, Figure "
+        "9): the Challenger is asked first which format suits the document (multiple choice, or free form with "
+        "Integer, Expression or String), and a reply that names none falls back to the apportioned type; "
+        "'apportioned' = the seven types apportioned over the documents, seeded.")
+    format_max_tokens: int = Field(
+        256, ge=16, description="Token budget of the Challenger's Figure 9 reply (format_choice: challenger).")
+    reasoner_samples: Literal["shared", "fresh"] = Field(
+        "shared", description="The Reasoner's GRPO group: 'shared' = the paper's (§2.5, §3.1): the K Reasoner "
+        "answers that scored the Challenger, one valid task per document (needs K = selfplay.solver_rollouts_train "
+        "= grpo.group_size); 'fresh' = G new answers per valid task in the Reasoner's stage.")
+
+
 class RunConfig(Section):
     """Where a run lives and how it is named."""
 
@@ -799,6 +820,7 @@ class Params(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     learning_check: LearningCheckConfig = Field(default_factory=LearningCheckConfig)
+    spice: SpiceConfig = Field(default_factory=SpiceConfig)
     method: str = Field(
         "scope", min_length=1, description="The self-play method: 'scope' (the paper), or another registered in "
         "`scope_lib.selfplay.methods.METHODS` (checked when a run opens; docs/methods.md).")

@@ -136,3 +136,25 @@ def test_tensor_parallel_serving_and_the_cluster_layouts(capsys):
     assert "zero3 on 4 GPUs + 4 vllm serve x TP 1 on 4 GPUs" in out and "fits: zero2" in out and "most headroom: fsdp2" in out
     assert main(["plan", "--params", str(REPO / "params" / "qwen3-8b.yaml"), "-o", "model.finetuning=full",
                  "--cluster", "1"]) == 1
+
+
+def test_spice_at_the_papers_settings_has_a_plan(capsys):
+    """params/spice-qwen3-4b.yaml (SPICE, Qwen3-4B-Base: 36 layers, hidden 2560, MLP 9728, 32 query and 8 KV heads of
+    128, tied embeddings of 151,936 x 2560): 0.389B embedding + 36 x 100.9M per layer = 4.02B parameters x 2 B =
+    7.49 GiB. One 80 GiB GPU fits its LoRA form; the paper's full fine-tuning (8 H200, ZeRO-2, App. B) fits 8 GPUs
+    with ZeRO-2 and not one."""
+    params = load_params(REPO / "params" / "spice-qwen3-4b.yaml")
+    assert (params.method, params.model.base, params.grpo.group_size, params.selfplay.solver_rollouts_train,
+            params.challenger.batch_size, params.spice.attempts) == ("spice", "Qwen/Qwen3-4B-Base", 8, 8, 128, 1024)
+    arch = architecture(params)
+    assert arch.parameters / 1e9 == pytest.approx(4.02, abs=0.01)
+    rows = {r.item: r.gib for r in plan_gpu(params).rows}
+    assert rows["base weights M0 (Judge, reference)"] == pytest.approx(4.022e9 * 2 / GIB, abs=0.01)
+    assert plan_gpu(params, gpu_gib=80).fits
+    assert main(["plan", "--params", str(REPO / "params" / "spice-qwen3-4b.yaml")]) == 0
+    assert "FITS" in capsys.readouterr().out
+    from scope_lib.models.gpu_plan import plan_cluster
+
+    full = load_params(REPO / "params" / "spice-qwen3-4b.yaml", ["model.finetuning=full"])
+    options = {o.name.split(" ")[0]: o for o in plan_cluster(full, gpus=8, gpu_gib=80)}
+    assert not options["1"].fits and options["zero2"].fits

@@ -1,6 +1,6 @@
 """scope_lib.protocol.spice: SPICE's task format (each invalid reason), the Reasoner's verification (equivalent and
 non-equivalent answers of every type), the rewards against hand-computed values of eq. 1, Algorithm 1's
-subsampling, and the prompts."""
+subsampling, the prompts, and the Challenger's format choice (Figure 9)."""
 
 from __future__ import annotations
 
@@ -268,3 +268,35 @@ def test_reasoner_prompt_is_closed_book_and_asks_for_a_box():
     assert "\\boxed{}" in text and "only the letter" in text and "$" not in text
     free = S.reasoner_prompt(_gold("integer", 3))
     assert free == "Q?\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+# -- the format choice (App. E, Figure 9) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reply, chosen", [
+    ('{"suitable_for_mcq": true, "suitable_for_free_form": false, "best_answer_type": null, "reason": "r"}',
+     "multiple_choice"),
+    ('{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "Integer", "reason": "r"}',
+     "integer"),
+    ('<think>a formula fits</think>{"suitable_for_mcq": false, "suitable_for_free_form": true, '
+     '"best_answer_type": "Expression"}', "expression"),
+    ('{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "string"}', "string"),
+    ('{"suitable_for_mcq": true, "suitable_for_free_form": true, "best_answer_type": "Integer"}', None),   # both
+    ('{"suitable_for_mcq": false, "suitable_for_free_form": false, "best_answer_type": null}', None),     # neither
+    ('{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": null}', None),      # no type
+    ('{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "Essay"}', None),   # unknown
+    ('{"suitable_for_mcq": "true", "suitable_for_free_form": false}', None),   # a string is not a JSON true
+    ("Multiple choice suits it best.", None),
+    (None, None),
+])
+def test_the_format_choice_reads_figure_9s_reply(reply, chosen):
+    assert S.parse_format_choice(reply) == chosen
+
+
+def test_the_format_choice_prompt_shows_the_document_and_figure_9s_fields():
+    text = S.format_choice_prompt("The bridge was finished in 1932.")
+    assert "The bridge was finished in 1932." in text
+    for field in ("suitable_for_mcq", "suitable_for_free_form", "best_answer_type", "Integer", "Expression", "String"):
+        assert field in text
+    with pytest.raises(ValueError, match="non-empty document"):
+        S.format_choice_prompt("  ")

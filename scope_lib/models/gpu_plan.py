@@ -92,6 +92,8 @@ class Architecture:
 KNOWN: dict[str, Architecture] = {
     "Qwen/Qwen3-8B": Architecture(36, 4096, 12288, 32, 8, 128, 151936),
     "Qwen/Qwen3-4B": Architecture(36, 2560, 9728, 32, 8, 128, 151936, tied_embeddings=True),
+    "Qwen/Qwen3-8B-Base": Architecture(36, 4096, 12288, 32, 8, 128, 151936),   # SPICE's base models (§3.1)
+    "Qwen/Qwen3-4B-Base": Architecture(36, 2560, 9728, 32, 8, 128, 151936, tied_embeddings=True),
     "Qwen/Qwen3-1.7B": Architecture(28, 2048, 6144, 16, 8, 128, 151936, tied_embeddings=True),
     "Qwen/Qwen2.5-7B-Instruct": Architecture(28, 3584, 18944, 28, 4, 128, 152064),
     "allenai/Olmo-3-7B-Instruct": Architecture(32, 4096, 11008, 32, 32, 128, 100278),

@@ -102,6 +102,7 @@ TEMPLATE_NAMES: tuple[str, ...] = (
 #: and held-out sets.
 METHOD_TEMPLATE_NAMES: tuple[str, ...] = (
     "spice_challenger", "spice_format_multiple_choice", "spice_format_free_form", "spice_reasoner",
+    "spice_format_choice",
     "ssp_proposer", "ssp_solver", "ssp_rag_solver",
     "score_solver", "score_rubric", "score_evaluator", "score_meta_harness",
 )

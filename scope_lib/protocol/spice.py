@@ -11,6 +11,8 @@ rule (`protocol.verification`; SPICE uses Math-Verify, §2.5).
     challenger_reward(verified, parsed.valid)            # eq. 1: Gaussian on the pass rate's variance, or −0.1
     reasoner_reward(verified[i])                         # 1[â_i = a*]
     subsample_attempts(valid_flags, group_size, seed)    # Algorithm 1, line 6: G attempts, valid:invalid kept
+    format_choice_prompt(document)                       # App. E, Figure 9: the Challenger picks the format first
+    parse_format_choice(reply)                           # -> an answer type, or None (the reply chose none)
 
 The task's JSON, our schema (the paper's prompts name other fields; docs/methods.md):
 
@@ -41,7 +43,7 @@ __all__ = [
     "ANSWER_TYPES", "FREE_FORM_TYPES", "OPTION_LETTERS", "MAX_STRING_WORDS", "INVALID_PENALTY", "INVALID_REASONS",
     "ANSWER_TYPE_RULES", "SpiceTask", "TaskParse", "parse_task", "task_from_json", "reasoner_answer",
     "answer_matches", "verify_reply", "challenger_reward", "reasoner_reward", "subsample_attempts",
-    "challenger_prompt", "reasoner_prompt",
+    "challenger_prompt", "reasoner_prompt", "format_choice_prompt", "parse_format_choice",
 ]
 
 #: The task formats (§2.2, App. E): multiple choice, or free form with one of six answer types.
@@ -400,3 +402,35 @@ def reasoner_prompt(task: SpiceTask) -> str:
     note = (" For this multiple-choice question, put only the letter of the correct option in \\boxed{}."
             if task.answer_type == "multiple_choice" else "")
     return render_template("spice_reasoner", question=task.reasoner_text, choice_instruction=note)
+
+
+def format_choice_prompt(document: str) -> str:
+    """Figure 9's question to the Challenger before it writes (App. E, "Question Format Selection"): which format
+    suits the document, multiple choice or free form, and for free form which answer type (Integer, Expression or
+    String, the three Figure 9 names)."""
+    if not isinstance(document, str) or not document.strip():
+        raise ValueError("the SPICE Challenger needs a non-empty document")
+    return render_template("spice_format_choice", document=document)
+
+
+def parse_format_choice(reply: Any, *, starts_in_think: bool = False) -> str | None:
+    """The answer type a Figure 9 reply chose: "multiple_choice" when only `suitable_for_mcq` is true; the free-form
+    type `best_answer_type` names (any of FREE_FORM_TYPES, any case) when only `suitable_for_free_form` is true.
+    None when the reply has no such JSON object, both or neither flag is true (Figure 9: "Exactly ONE"), or the
+    free-form type is missing or unknown."""
+    if not isinstance(reply, str):
+        return None
+    obj = last_json_object(strip_think(reply, starts_in_think=starts_in_think))
+    if not isinstance(obj, dict):
+        return None
+    mcq, free = obj.get("suitable_for_mcq") is True, obj.get("suitable_for_free_form") is True
+    if mcq == free:
+        return None
+    if mcq:
+        return "multiple_choice"
+    raw = obj.get("best_answer_type")
+    if not isinstance(raw, str):
+        return None
+    key = re.sub(r"[\s-]+", "_", raw.strip().lower())
+    kind = _TYPE_ALIASES.get(key, key)
+    return kind if kind in FREE_FORM_TYPES else None

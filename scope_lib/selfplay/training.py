@@ -446,6 +446,11 @@ class RoleRules(Protocol):
         """Every row's reward (None for a row that never ran) and the step's numbers; the step's records go to
         `session.unwritten[<log name>]` (`rollouts` and `extra_records`)."""
 
+    # Optional: `draw_rollouts(session, trajectories, limits, step) -> (trajectories, RolloutStats)` fills the step's
+    # rows itself, one finished trajectory per given (unrolled) one, in order; without it the rows are rolled out by
+    # `run_rollouts`. SPICE's Challenger draws more attempts than its group keeps (Algorithm 1, line 6); its
+    # Reasoner can take the answers Stage 1 already sampled (§2.5).
+
 
 class RoleSession:
     """rollout_func, reward function and per-step metrics of one role's stage, over the method's rules for the role
@@ -484,8 +489,12 @@ class RoleSession:
             trajectories.append(self.rules.new_trajectory(ctx, item_id, item, f"{item_id}/t{step:03d}/g{j}"))
         limits = self.rules.limits(ctx.params)
         limits.seed = ctx.seed * 1000 + step + 100_000 * ranks.rank()  # rank 0 keeps the 1-process seeds
-        stats = run_rollouts(trajectories, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
-                             adapter=ctx.role)
+        draw = getattr(self.rules, "draw_rollouts", None)  # optional (RoleRules): the role fills its rows itself
+        if draw is None:
+            stats = run_rollouts(trajectories, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
+                                 adapter=ctx.role)
+        else:
+            trajectories, stats = draw(self, trajectories, limits, step)
         self.pending[step] = {"rollout_s": time.perf_counter() - started, **_rollout_times(stats),
                               **trajectory_metrics(trajectories)}
         if not self.rules.searches:  # a closed-book role: no search count to watch
