@@ -136,9 +136,10 @@ def install_logprob_fallback() -> bool:
 
 
 def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.PathLike, steps: int | None = None,
-              world_size: int | None = None):
+              world_size: int | None = None, group_size: int | None = None):
     """trl.GRPOConfig for one role's stage. One generation batch per optimiser step: `batch_size` prompts x G
-    rollouts, reached by gradient accumulation over micro-batches of `grpo.per_device_batch_size`."""
+    rollouts, reached by gradient accumulation over micro-batches of `grpo.per_device_batch_size`. `group_size`:
+    the role's rollouts per prompt when not G (1: REINFORCE, `RoleRules.group_size`)."""
     from trl import GRPOConfig
 
     check_role(role)
@@ -146,17 +147,18 @@ def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.Path
     sp = params.selfplay
     steps = steps or (sp.challenger_steps if role == "challenger" and sp.challenger_steps else sp.steps_per_role)
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    rows = r.batch_size * g.group_size
+    group = group_size or g.group_size
+    rows = r.batch_size * group
     per_device = min(g.per_device_batch_size, rows)
     if rows % (per_device * world):
         raise ParamsError(
-            f"{role}.batch_size x grpo.group_size = {r.batch_size} x {g.group_size} = {rows} rollouts per step must "
+            f"{role}.batch_size x rollouts per prompt = {r.batch_size} x {group} = {rows} rollouts per step must "
             f"divide evenly over grpo.per_device_batch_size ({per_device}) x {world} device(s); change one of them")
     on_gpu = torch.cuda.is_available() and params.engine.device != "cpu"
     every = params.run.checkpoint_steps * g.num_epochs  # a checkpoint falls between two generation batches
     saving = {"save_strategy": "steps", "save_steps": every, "save_total_limit": 2} if every else {
         "save_strategy": "no"}
-    return GRPOConfig(
+    config = GRPOConfig(
         output_dir=str(output_dir), seed=seed, max_steps=steps, logging_steps=1, **saving,
         report_to=list(g.report_to) or "none", disable_tqdm=True,
         learning_rate=g.learning_rate_for(params.model.finetuning), lr_scheduler_type=g.lr_scheduler,
@@ -165,7 +167,7 @@ def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.Path
         beta=0.0,  # set on the trainer after init (module docstring)
         use_bias_correction_kl=g.kl_importance_ratio,
         epsilon=r.clip_low, epsilon_high=r.clip_high, delta=g.dual_clip,
-        num_generations=g.group_size, scale_rewards=g.scale_rewards, loss_type=g.loss_type,
+        num_generations=group if group > 1 else rows, scale_rewards=g.scale_rewards, loss_type=g.loss_type,
         num_iterations=g.num_epochs, per_device_train_batch_size=per_device,
         gradient_accumulation_steps=rows // (per_device * world),
         temperature=r.temperature, top_p=r.top_p,  # the log-probs are recomputed at the rollout sampling
@@ -175,6 +177,10 @@ def grpo_args(params: Params, role: str, *, seed: int, output_dir: str | os.Path
         shuffle_dataset=True, remove_unused_columns=False,
         vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=g.importance_sampling,
         vllm_importance_sampling_clip_max=g.importance_sampling_clip)
+    # TRL's config refuses fewer than 2 generations per prompt; one rollout per prompt (REINFORCE) is set after
+    # its checks: the trainer then repeats no prompt and `reinforce` gives the advantages (ScopeGRPOTrainer)
+    config.num_generations = group
+    return config
 
 
 def _unwrap(trainer):
@@ -204,6 +210,7 @@ def _trainer_class():
         advantage, its own context (earlier thinking stripped) and its own reference log-probs."""
 
         per_turn: bool = False
+        reinforce: bool = False  # one rollout per prompt: the rewards are the advantages (RoleRules.group_size)
         reference_model = None  # full fine-tuning: the frozen M0
         scope_policy: Policy | None = None  # checkpoints hold this role's weights only (saved and loaded by us)
         scope_role: str | None = None
@@ -233,12 +240,32 @@ def _trainer_class():
                 sampler.__class__ = EpochSeededSampler
             return sampler
 
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._given_rewards = rewards  # every process's rows (REINFORCE reads this process's slice)
+            return rewards
+
+        def _scored(self, inputs):
+            """TRL's generation and scoring; with `reinforce`, each row's advantage is its reward as the method
+            gave it (already centred by its own baseline, e.g. SCORE's EMA), with no group normalisation: TRL's
+            group of one would centre every reward to 0. A row that was not scored gets 0."""
+            out = super()._generate_and_score_completions(inputs)
+            if self.reinforce:
+                start = self.accelerator.process_index * len(inputs)
+                given = self._given_rewards[start:start + len(inputs)].nansum(dim=1)
+                unscored = torch.isnan(self._given_rewards[start:start + len(inputs)]).all(dim=1)
+                out["advantages"] = given.masked_fill(unscored, 0.0).to(out["advantages"].device)
+                metrics = self._metrics["train" if self.model.training else "eval"]
+                if metrics.get("frac_reward_zero_std"):  # TRL's "no spread" means nothing for a group of one:
+                    metrics["frac_reward_zero_std"][-1] = float((out["advantages"] == 0).float().mean())  # no signal
+            return out
+
         def _generate_and_score_completions(self, inputs):
             if not self.per_turn:
-                return super()._generate_and_score_completions(inputs)
+                return self._scored(inputs)
             beta, self.beta = self.beta, 0.0  # no reference pass over the stub rows
             try:
-                out = super()._generate_and_score_completions(inputs)
+                out = self._scored(inputs)
             finally:
                 self.beta = beta
             rows = [(datum[0], datum[1], datum[2], advantage, datum[3] if len(datum) > 3 else None)
@@ -319,7 +346,8 @@ def importance_ratio(logp_diff: torch.Tensor, mask: torch.Tensor, mode: str, cli
 def make_trainer(policy: Policy, role: str, args, *, dataset_ids: list[str], rollout_func, reward_func,
                  callbacks=(), per_turn: bool = False, serving=None, sync_folder: str | os.PathLike | None = None):
     """A fresh trainer for `role`. The model's forward is restored first (each GRPOTrainer patches it with a
-    fused LM head at its own temperature), so exactly one patch, this role's, is active."""
+    fused LM head at its own temperature), so exactly one patch, this role's, is active. One rollout per prompt
+    (`args.num_generations` 1) trains by REINFORCE: the rewards are the advantages (ScopeGRPOTrainer)."""
     from datasets import Dataset
 
     install_logprob_fallback()
@@ -336,6 +364,7 @@ def make_trainer(policy: Policy, role: str, args, *, dataset_ids: list[str], rol
         trainer.remove_callback(noisy)
     trainer.beta = policy.params.grpo.beta
     trainer.per_turn = per_turn
+    trainer.reinforce = args.num_generations == 1
     trainer.use_vllm = False  # TRL's own vLLM engine is never built (it would hold merged weights: no Judge)
     if serving is not None and serves_adapters(serving):
         sync = AdapterSync(policy, role, serving, sync_folder or Path(args.output_dir) / "published")
@@ -434,6 +463,8 @@ class RoleRules(Protocol):
     extra_records: tuple[str, ...]
     #: Whether the role's rollouts search (the `no_searches` alarm watches only those that do).
     searches: bool
+    # Optional: `group_size`, the role's rollouts per prompt when not grpo.group_size; 1 trains by REINFORCE, the
+    # rewards the rules return being the advantages (centred by the method's own baseline: SCORE's Evaluator).
 
     def limits(self, params: Params) -> RolloutLimits:
         """Turn and token budgets of the role's training rollouts."""
@@ -699,7 +730,8 @@ def train_role(ctx: StageContext, items: dict[str, Any], dataset_ids: list[str] 
         log.warning("%s stage of iteration %d has %d distinct prompts for a batch of %d: repeating them",
                     ctx.role, ctx.iteration, len(ids), batch)
         ids = [ids[i % len(ids)] for i in range(batch)]
-    args = grpo_args(ctx.params, ctx.role, seed=ctx.seed, output_dir=ctx.stage.path / "trainer")
+    args = grpo_args(ctx.params, ctx.role, seed=ctx.seed, output_dir=ctx.stage.path / "trainer",
+                     group_size=getattr(ctx.rules, "group_size", None))
     callbacks = [_metrics_callback(session)] + ([marker_callback()] if ctx.params.run.checkpoint_steps else [])
     trainer = make_trainer(ctx.policy, ctx.role, args, dataset_ids=ids, rollout_func=session.rollout_func,
                            reward_func=session.scope_reward, callbacks=callbacks,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from scope_lib.config import Params, ParamsError
 from scope_lib.selfplay.harness import Method
+from scope_lib.selfplay.methods.score import SCORE
 from scope_lib.selfplay.methods.scope import SCOPE
 from scope_lib.selfplay.methods.spice import SPICE
 from scope_lib.selfplay.methods.ssp import SSP
 
 #: name (the params' `method`) -> the method.
-METHODS: dict[str, Method] = {m.name: m for m in (SCOPE, SPICE, SSP)}
+METHODS: dict[str, Method] = {m.name: m for m in (SCOPE, SPICE, SSP, SCORE)}
 
 
 def method_for(params: Params) -> Method:
