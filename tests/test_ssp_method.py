@@ -57,8 +57,9 @@ def first_user(context: str) -> str:
 class SspEngine(ScriptedEngine):
     """Plays SSP on the decoded contexts. The Proposer searches its answer as many times as its prompt asks, then
     writes the QUESTIONS in turn (`questions`: which kinds, cycled); the RAG Solver answers a coded question when its
-    documents hold results; the Solver searches once, then even rows of a batch answer the coded question and odd
-    rows say they do not know (TRL and the loop put a question's rollouts side by side, so each group has spread)."""
+    documents hold results; the Solver searches once, then every third row of a batch (0, 3, ...) answers the coded
+    question and the others say they do not know (TRL and the loop put a question's rollouts side by side: n = 3
+    Solver rollouts of a question solve it 1 time in 3, and each GRPO group of 2 has spread)."""
 
     def __init__(self, tokenizer, *, questions=(0, 1, 2), crash=None):
         super().__init__(tokenizer, DIALECT)
@@ -90,7 +91,7 @@ class SspEngine(ScriptedEngine):
                 raise KeyboardInterrupt("killed")
             if not self._searched(context):
                 return f"<think>I search first.</think>\n{DIALECT.format_search('passages I found')}"
-            answer = decode(coded.group(1)) if coded and row % 2 == 0 else "I do not know"
+            answer = decode(coded.group(1)) if coded and row % 3 == 0 else "I do not know"
             return f"<think>I have read the results.</think>\n<answer>{answer}</answer>"
         return "I do not know what to do."
 
@@ -109,7 +110,8 @@ class SspEngine(ScriptedEngine):
             code=code(answer), answer=answer) + "</question>"
 
 
-SETTINGS = {"selfplay.iterations": 1, "selfplay.challenger_steps": 1, "selfplay.steps_per_role": 2}
+SETTINGS = {"selfplay.iterations": 1, "selfplay.challenger_steps": 1, "selfplay.steps_per_role": 2,
+            "selfplay.solver_rollouts_train": 3}
 
 
 def ssp_params(tmp_path, data_dir, **overrides):
@@ -163,9 +165,10 @@ def test_ssp_runs_one_iteration_with_its_filters_verification_and_rewards(uninte
     assert (unanswerable["filter_reason"], unanswerable["rag_verified"], unanswerable["rag_answer"]) == (
         None, False, "unknown")
     assert (unanswerable["valid"], unanswerable["solved"], unanswerable["reward"]) == (False, None, 0.0)
-    for p in by_reason[None]:                    # n Solver answers: the even one right, the odd one wrong
+    for p in by_reason[None]:                    # n = 3 Solver answers: the first right, the others wrong
         assert (p["valid"], p["rag_verified"], p["rag_answer"]) == (True, True, p["answer"])
-        assert (p["solved"], p["success_rate"], p["reward"]) == ([True, False], 0.5, 0.5)   # eq. 7: 1 - 1/2
+        assert p["solved"] == [True, False, False]
+        assert (p["success_rate"], p["reward"]) == pytest.approx((1 / 3, 2 / 3))   # eq. 7: 1 - 1/3
     rag = read_jsonl(folder / "challenger" / "rag_rollouts.jsonl")
     assert sorted(r["question_id"] for r in rag) == sorted(p["id"] for p in proposals if p["filter_reason"] is None)
     evidence = {p["id"]: [s["results"] for s in p["trajectory"]["searches"] if s["valid"]] for p in proposals}
@@ -180,7 +183,8 @@ def test_ssp_runs_one_iteration_with_its_filters_verification_and_rewards(uninte
     assert len(solver) == n * 2 and all(s["trajectory"]["searches"] for s in solver)
     metrics = read_jsonl(folder / "challenger" / "metrics.jsonl")[0]
     assert (metrics["valid_rate"], metrics["filter_pass_rate"], metrics["rag_pass_rate"]) == (0.5, 0.75, 2 / 3)
-    assert (metrics["solver_success"], metrics["zero_spread_tasks"], metrics["reward"]) == (0.5, 0.0, 0.25)
+    assert (metrics["solver_success"], metrics["zero_spread_tasks"]) == pytest.approx((1 / 3, 0.0))
+    assert metrics["reward"] == pytest.approx((2 / 3 + 2 / 3 + 0 + 0) / 4)
     summary = json.loads((folder / "challenger" / "DONE").read_text())
     assert (summary["attempts"], summary["valid"], summary["rag_checked"], summary["rag_passed"]) == (4, 2, 3, 2)
     assert summary["invalid_reasons"] == {"answer_in_question": 1, RAG_REJECTED: 1}

@@ -182,6 +182,51 @@ def _solver_seed(ctx: StageContext, step: int, offset: int) -> int:
     return ctx.seed * 1000 + offset + step + 100_000 * ranks.rank()
 
 
+@dataclass
+class Proposal:
+    """What became of one Proposer rollout in its step (Algorithm 1 lines 3-8): its question, the first rule filter
+    it broke, its RAG verification and the Solver's n outcomes. A rollout that never ran has no question to judge."""
+
+    trajectory: Trajectory
+    ran: bool
+    question: str | None = None
+    filter_reason: str | None = None
+    rag: Trajectory | None = None            # the RAG Solver's answer, for a question that passed the filters
+    rag_verified: bool | None = None
+    solvers: list[Trajectory] = dataclasses.field(default_factory=list)
+
+    @property
+    def answer(self) -> str:
+        return self.trajectory.meta["answer"]
+
+    @property
+    def solved(self) -> list[bool] | None:
+        """The Solver's n outcomes, for a valid question (None otherwise)."""
+        return [s.meta["correct"] for s in self.solvers] if self.rag_verified else None
+
+    @property
+    def invalid_reason(self) -> str | None:
+        if not self.ran:
+            return "never_ran"
+        return self.filter_reason or (None if self.rag_verified else RAG_REJECTED)
+
+    @property
+    def reward(self) -> float | None:
+        """r_propose (eq. 7): 1 - the Solver's success rate; 0 for an invalid question; None when it never ran."""
+        return ssp.proposer_reward(self.solved or [], self.solved is not None) if self.ran else None
+
+    def record(self, iteration: int, step: int) -> dict[str, Any]:
+        t = self.trajectory
+        return {"id": t.id, "iteration": iteration, "step": step, "reward": self.reward, "answer": self.answer,
+                "answer_kind": t.meta["answer_kind"], "document_id": t.meta["document_id"],
+                "num_searches": t.meta["num_searches"], "n_valid_searches": t.n_valid_searches,
+                "question": self.question, "valid": self.solved is not None if self.ran else None,
+                "invalid_reason": self.invalid_reason, "filter_reason": self.filter_reason,
+                "rag_verified": self.rag_verified, "rag_answer": self.rag.answer if self.rag else None,
+                "solved": self.solved, "success_rate": mean_of(self.solved) if self.solved else None,
+                "trajectory": t.to_record()}
+
+
 class SspProposer:
     """Stage 1's rules: the Proposer sees a ground-truth answer and searches (App. E); its proposals are filtered,
     RAG-verified and tried n times by the Solver; r_propose (eq. 7). The Proposer's rollouts follow the rollout
@@ -204,89 +249,83 @@ class SspProposer:
     def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
                 ) -> tuple[list[float | None], dict[str, Any]]:
         ctx = session.ctx
-        ran = [t for t in trajectories if not never_ran(t)]
-        questions = {t.id: ssp.extract_question(t.turns[-1] if t.turns else "", starts_in_think=t.opens_think)
-                     for t in ran}
-        reasons = {t.id: ssp.filter_question(questions[t.id], t.meta["answer"], t.n_valid_searches) for t in ran}
-        rag, rag_s = self._verify(ctx, trajectories, questions, reasons, step)
-        verified = {t.id: ssp.answer_correct(rag[t.id].answer, t.meta["answer"]) for t in ran if t.id in rag}
-        solvers = [solver_trajectory(ctx, f"{t.id}/s{j}", questions[t.id], {"question_id": t.id})
-                   for t in ran if verified.get(t.id) for j in range(ctx.params.selfplay.solver_rollouts_train)]
+        proposals = [Proposal(t, ran=not never_ran(t)) for t in trajectories]
+        for p in proposals:
+            if p.ran:  # the rule filters (§3.3), valid searches counted in the dialect
+                p.question = ssp.extract_question(p.trajectory.turns[-1] if p.trajectory.turns else "",
+                                                  starts_in_think=p.trajectory.opens_think)
+                p.filter_reason = ssp.filter_question(p.question, p.answer, p.trajectory.n_valid_searches)
+        rag_s = self._verify(ctx, proposals, step)
+        solvers = [s for p in proposals if p.rag_verified for s in self._solvers(ctx, p)]
         stats = None
-        if solvers:
+        if solvers:  # Algorithm 1 lines 5-7: n Solver rollouts with search per valid question
             limits = solver_limits(ctx.params)
             limits.seed = _solver_seed(ctx, step, 500)
             stats = run_rollouts(solvers, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                                  adapter=ctx.solver_adapter)
-        solved: dict[str, list[bool]] = {}
-        by_id = {t.id: t for t in trajectories}
-        for s in solvers:
-            s.meta["correct"] = ssp.answer_correct(s.answer, by_id[s.meta["question_id"]].meta["answer"])
-            solved.setdefault(s.meta["question_id"], []).append(s.meta["correct"])
-        values = [ssp.proposer_reward(solved.get(t.id, []), t.id in solved) if t.id in questions else None
-                  for t in trajectories]
-        self._write(session, step, trajectories, questions, reasons, rag, verified, solved, solvers, values)
-        rates = [mean_of(v) for v in solved.values()]
-        checked = list(verified.values())
+        for p in proposals:
+            for s in p.solvers:
+                s.meta["correct"] = ssp.answer_correct(s.answer, p.answer)
+        self._write(session, step, proposals)
+        ran = [p for p in proposals if p.ran]
+        checked = [p.rag_verified for p in ran if p.rag_verified is not None]
+        rates = [mean_of(p.solved) for p in ran if p.solved is not None]
+        values = [p.reward for p in proposals]
         return values, {
             **reward_stats(values),
-            "valid_rate": mean_of([t.id in solved for t in ran]) if ran else None,
-            "filter_pass_rate": mean_of([r is None for r in reasons.values()]) if ran else None,
+            "valid_rate": mean_of([p.solved is not None for p in ran]) if ran else None,
+            "filter_pass_rate": mean_of([p.filter_reason is None for p in ran]) if ran else None,
             "rag_pass_rate": mean_of(checked) if checked else None,
             "solver_success": mean_of(rates) if rates else None,
             "zero_spread_tasks": mean_of([r in (0.0, 1.0) for r in rates]) if rates else None,
-            "rag_rollouts": len(rag), "solver_rollouts": len(solvers),
+            "rag_rollouts": len(checked), "solver_rollouts": len(solvers),
             "solver_rollout_s": (stats.total_s if stats else 0.0) + rag_s,
             "solver_stops_in_thinking": stats.stops_in_thinking if stats else 0}
 
-    def _verify(self, ctx: StageContext, trajectories: list[Trajectory], questions: dict[str, str | None],
-                reasons: dict[str, str | None], step: int) -> tuple[dict[str, Trajectory], float]:
-        """RAG verification (eq. 3) of every proposal that passed the rule filters: one no-search Solver answer from
-        its own retrieved results plus noise results of the batch's other trajectories (`ssp.rag_passages`). Returns
-        the RAG rollouts by proposal id and the seconds they took."""
-        batch_passages = [t.evidence for t in trajectories]
-        rag: dict[str, Trajectory] = {}
-        for i, t in enumerate(trajectories):
-            if t.id in reasons and reasons[t.id] is None:
+    @staticmethod
+    def _verify(ctx: StageContext, proposals: list[Proposal], step: int) -> float:
+        """RAG verification (eq. 3) of every proposal that passed the rule filters, in place: one no-search Solver
+        answer from its own retrieved results plus noise results of the batch's other rollouts (`ssp.rag_passages`),
+        checked against its answer. Returns the seconds it took."""
+        batch_passages = [p.trajectory.evidence for p in proposals]
+        for i, p in enumerate(proposals):
+            if p.ran and p.filter_reason is None:
                 passages = ssp.rag_passages(batch_passages, i, seed=f"{ctx.seed}/{step}")
-                own = sum(p in t.evidence for p in passages)
-                rag[t.id] = rag_trajectory(ctx, f"{t.id}/rag", questions[t.id], passages,
-                                           {"question_id": t.id, "own_passages": own,
-                                            "noise_passages": len(passages) - own})
-        if not rag:
-            return rag, 0.0
+                own = sum(passage in p.trajectory.evidence for passage in passages)
+                p.rag = rag_trajectory(ctx, f"{p.trajectory.id}/rag", p.question, passages,
+                                       {"question_id": p.trajectory.id, "own_passages": own,
+                                        "noise_passages": len(passages) - own})
+        checked = [p for p in proposals if p.rag is not None]
+        if not checked:
+            return 0.0
         limits = _one_turn(solver_limits(ctx.params))
         limits.seed = _solver_seed(ctx, step, 700)
-        stats = run_rollouts(list(rag.values()), ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
+        stats = run_rollouts([p.rag for p in checked], ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                              adapter=ctx.solver_adapter)
-        return rag, stats.total_s
+        for p in checked:
+            p.rag_verified = ssp.answer_correct(p.rag.answer, p.answer)
+        return stats.total_s
 
-    def _write(self, session: RoleSession, step: int, trajectories: list[Trajectory], questions, reasons, rag,
-               verified, solved, solvers, values) -> None:
-        ctx = session.ctx
+    @staticmethod
+    def _solvers(ctx: StageContext, p: Proposal) -> list[Trajectory]:
+        p.solvers = [solver_trajectory(ctx, f"{p.trajectory.id}/s{j}", p.question, {"question_id": p.trajectory.id})
+                     for j in range(ctx.params.selfplay.solver_rollouts_train)]
+        return p.solvers
 
-        def invalid_reason(t: Trajectory) -> str | None:
-            if t.id not in questions:
-                return "never_ran"
-            return reasons[t.id] or (None if verified.get(t.id) else RAG_REJECTED)
-
-        session.unwritten["rollouts"] = [
-            {"id": t.id, "iteration": ctx.iteration, "step": step + 1, "reward": value,
-             "answer": t.meta["answer"], "answer_kind": t.meta["answer_kind"], "document_id": t.meta["document_id"],
-             "num_searches": t.meta["num_searches"], "n_valid_searches": t.n_valid_searches,
-             "question": questions.get(t.id), "valid": (t.id in solved) if t.id in questions else None,
-             "invalid_reason": invalid_reason(t), "filter_reason": reasons.get(t.id),
-             "rag_verified": verified.get(t.id), "rag_answer": rag[t.id].answer if t.id in rag else None,
-             "solved": solved.get(t.id), "success_rate": mean_of(solved[t.id]) if t.id in solved else None,
-             "trajectory": t.to_record()} for t, value in zip(trajectories, values, strict=True)]
+    @staticmethod
+    def _write(session: RoleSession, step: int, proposals: list[Proposal]) -> None:
+        """The step's records: every proposal, the RAG Solver's answers, the n Solver rollouts (1-based step)."""
+        iteration = session.ctx.iteration
+        session.unwritten["rollouts"] = [p.record(iteration, step + 1) for p in proposals]
         session.unwritten["rag_rollouts"] = [
-            {"id": r.id, "iteration": ctx.iteration, "step": step + 1, "question_id": r.meta["question_id"],
-             "answer": r.answer, "correct": verified[r.meta["question_id"]], "finish": r.finish,
-             "own_passages": r.meta["own_passages"], "noise_passages": r.meta["noise_passages"],
-             "trajectory": r.to_record()} for r in rag.values()]
+            {"id": p.rag.id, "iteration": iteration, "step": step + 1, "question_id": p.trajectory.id,
+             "answer": p.rag.answer, "correct": p.rag_verified, "finish": p.rag.finish,
+             "own_passages": p.rag.meta["own_passages"], "noise_passages": p.rag.meta["noise_passages"],
+             "trajectory": p.rag.to_record()} for p in proposals if p.rag is not None]
         session.unwritten["solver_rollouts"] = [
-            {"id": s.id, "iteration": ctx.iteration, "step": step + 1, "question_id": s.meta["question_id"],
-             "answer": s.answer, "correct": s.meta["correct"], "trajectory": s.to_record()} for s in solvers]
+            {"id": s.id, "iteration": iteration, "step": step + 1, "question_id": p.trajectory.id,
+             "answer": s.answer, "correct": s.meta["correct"], "trajectory": s.to_record()}
+            for p in proposals for s in p.solvers]
 
 
 class SspSolver:
