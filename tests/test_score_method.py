@@ -252,3 +252,16 @@ def test_one_rollout_per_prompt_is_a_trainer_config_without_groups(tmp_path):
     solver = grpo_args(paper, "solver", seed=3, output_dir=tmp_path)
     assert solver.num_generations == 8 and solver.per_device_train_batch_size * solver.gradient_accumulation_steps \
         == 64 * 8
+
+
+def test_why_a_query_was_zeroed():
+    from scope_lib.selfplay.rollout import Trajectory
+
+    rubric = score.Rubric(("factuality", "coherence"), (0.8, 0.2))
+    parsed = score.parse_evaluation("", score.DEFAULT_HARNESS, 2, rubric=rubric)   # a rubric, no scores, no search
+    too_long = Trajectory(id="e", role="solver", prompt_ids=[1], messages=[], finish="prompt_too_long")
+    ran = Trajectory(id="e", role="solver", prompt_ids=[1], messages=[], turns=["<report_evaluations/>"],
+                     finish="no_action")
+    assert score_method.zero_reason(None, None) == "no_rubric"
+    assert score_method.zero_reason(parsed, too_long) == "evaluation_not_run"
+    assert score_method.zero_reason(parsed, ran) == "too_few_searches"

@@ -40,6 +40,7 @@ from scope_lib.models.engine import Sampling
 from scope_lib.protocol import score
 from scope_lib.protocol.parsing import extract_answer
 from scope_lib.retrieval.corpus import Passage, document_range
+from scope_lib.runs import Stage, iteration_dir
 from scope_lib.selfplay import health, ranks
 from scope_lib.selfplay.harness import (
     Method,
@@ -194,8 +195,7 @@ class ScoreSolver:
                 "scores": [dict(zip(item.rubric.dimensions, s.scores, strict=True)) if s.scores else {}
                            for s in parsed.reports] if parsed is not None else None,
                 "searches": searches, "required_searches": required, "zeroed": zeroed,
-                "zero_reason": None if not zeroed else "no_rubric" if parsed is None or not parsed.valid
-                else "too_few_searches",
+                "zero_reason": zero_reason(parsed, evaluation) if zeroed else None,
                 "report_ids": [t.id for t in reports], "rewards": values, "conclusions": conclusions,
                 "consistency": consistency,
                 "trajectory": evaluation.to_record() if evaluation is not None else None})
@@ -214,6 +214,7 @@ class ScoreSolver:
             else None,
             "zeroed_queries": mean_of([rec["zeroed"] for rec in records]),
             "consistency": mean_of(consistencies) if consistencies else None,
+            # the core's names for rollouts made inside the reward (its time breakdown): the Evaluator's calls
             "solver_rollouts": len(evaluations), "solver_rollout_s": stats.total_s if stats else 0.0,
             "solver_stops_in_thinking": stats.stops_in_thinking if stats else 0}
 
@@ -227,6 +228,14 @@ class ScoreSolver:
                                          searches, rubric=item.rubric)
         return new_trajectory(traj_id, "solver", [{"role": "user", "content": content}], ctx.policy.tokenizer,
                               max_searches=searches, meta={"query_id": item.id, "role": "evaluator"})
+
+
+def zero_reason(parsed: score.EvaluationParse | None, evaluation: Trajectory | None) -> str:
+    """Why the verifier zeroed a query's rewards: no valid rubric, an evaluation that never ran (its prompt, the
+    query and the K reports, did not fit `challenger.max_prompt_tokens`), or too few searches."""
+    if parsed is None or not parsed.valid:
+        return "no_rubric"
+    return "evaluation_not_run" if evaluation is not None and never_ran(evaluation) else "too_few_searches"
 
 
 def evaluation_valid(record: dict[str, Any]) -> bool:
@@ -287,8 +296,7 @@ def baseline_before(session: RoleSession, step: int) -> float:
     ctx = session.ctx
     if ctx.iteration == 1:
         return 0.0
-    previous = ctx.stage.path.parent.parent / f"iter_{ctx.iteration - 1:02d}" / "evaluator" / "DONE"
-    return json.loads(previous.read_text())["baseline"]
+    return Stage(iteration_dir(ctx.params.run_dir, ctx.iteration - 1) / "evaluator").summary["baseline"]
 
 
 # -- the stages ---------------------------------------------------------------------------------------------------
