@@ -168,37 +168,10 @@ class ScoreSolver:
             stats = run_rollouts(evaluations, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                                  adapter=ctx.role)
         by_query = {e.meta["query_id"]: e for e in evaluations}
-        reward: dict[str, float] = {}
-        records = []
-        for q, reports in groups.items():
-            item, evaluation = session.items[q], by_query.get(q)
-            flags = [valid[t.id] for t in reports]
-            required = score.required_searches(item.harness)
-            if evaluation is None:  # no rubric: nothing to score on, every R_s of the query is 0 (the verifier)
-                parsed, searches = None, 0
-                values = [0.0] * len(reports)
-            else:
-                parsed = score.parse_evaluation(_reply(evaluation), item.harness, len(reports), rubric=item.rubric,
-                                                starts_in_think=evaluation.opens_think)
-                searches = evaluation.n_valid_searches
-                values = score.solver_rewards(parsed, flags, searches, required)
-            conclusions = [score.extract_conclusion(_reply(t), starts_in_think=t.opens_think) for t in reports]
-            consistency = score.pairwise_consistency(conclusions) if len(reports) > 1 else None
-            zeroed = parsed is None or not parsed.valid or not score.search_verified(searches, required)
-            for t, value in zip(reports, values, strict=True):
-                reward[t.id] = value
-            records.append({
-                "id": f"{q}/t{step:03d}", "iteration": ctx.iteration, "step": step + 1, "query_id": q,
-                "query": item.query, "harness": harness_record(item.harness), "rubric": rubric_record(item.rubric),
-                "evaluated": parsed is not None,
-                "problems": parsed.problem_counts() if parsed is not None else {"rubric_invalid": len(reports)},
-                "scores": [dict(zip(item.rubric.dimensions, s.scores, strict=True)) if s.scores else {}
-                           for s in parsed.reports] if parsed is not None else None,
-                "searches": searches, "required_searches": required, "zeroed": zeroed,
-                "zero_reason": zero_reason(parsed, evaluation) if zeroed else None,
-                "report_ids": [t.id for t in reports], "rewards": values, "conclusions": conclusions,
-                "consistency": consistency,
-                "trajectory": evaluation.to_record() if evaluation is not None else None})
+        records = [{"id": f"{q}/t{step:03d}", "iteration": ctx.iteration, "step": step + 1, "query_id": q,
+                    **query_outcome(session.items[q], reports, by_query.get(q), [valid[t.id] for t in reports])}
+                   for q, reports in groups.items()]
+        reward = {rid: value for rec in records for rid, value in zip(rec["report_ids"], rec["rewards"], strict=True)}
         values = [None if never_ran(t) else reward[t.id] for t in trajectories]
         scores_of = {rid: s for rec in records for rid, s in zip(rec["report_ids"], rec["scores"] or [], strict=False)}
         session.unwritten["rollouts"] = [
@@ -228,6 +201,33 @@ class ScoreSolver:
                                          searches, rubric=item.rubric)
         return new_trajectory(traj_id, "solver", [{"role": "user", "content": content}], ctx.policy.tokenizer,
                               max_searches=searches, meta={"query_id": item.id, "role": "evaluator"})
+
+
+def query_outcome(item: ScoreQuery, reports: list[Trajectory], evaluation: Trajectory | None,
+                  valid: list[bool]) -> dict[str, Any]:
+    """One query's record: the Evaluator's scores of its K reports (`parse_evaluation`), their rewards R_s with the
+    verifier's zeroing (`solver_rewards`), and the consistency C_q of their conclusions (`pairwise_consistency`).
+    Without a rubric there is no evaluation and every R_s is 0."""
+    required = score.required_searches(item.harness)
+    if evaluation is None:
+        parsed, searches, values = None, 0, [0.0] * len(reports)
+    else:
+        parsed = score.parse_evaluation(_reply(evaluation), item.harness, len(reports), rubric=item.rubric,
+                                        starts_in_think=evaluation.opens_think)
+        searches = evaluation.n_valid_searches
+        values = score.solver_rewards(parsed, valid, searches, required)
+    conclusions = [score.extract_conclusion(_reply(t), starts_in_think=t.opens_think) for t in reports]
+    zeroed = parsed is None or not parsed.valid or not score.search_verified(searches, required)
+    return {"query": item.query, "harness": harness_record(item.harness), "rubric": rubric_record(item.rubric),
+            "evaluated": parsed is not None,
+            "problems": parsed.problem_counts() if parsed is not None else {"rubric_invalid": len(reports)},
+            "scores": [dict(zip(item.rubric.dimensions, r.scores, strict=True)) for r in parsed.reports]
+            if parsed is not None else None,
+            "searches": searches, "required_searches": required, "zeroed": zeroed,
+            "zero_reason": zero_reason(parsed, evaluation) if zeroed else None,
+            "report_ids": [t.id for t in reports], "rewards": values, "conclusions": conclusions,
+            "consistency": score.pairwise_consistency(conclusions) if len(reports) > 1 else None,
+            "trajectory": evaluation.to_record() if evaluation is not None else None}
 
 
 def zero_reason(parsed: score.EvaluationParse | None, evaluation: Trajectory | None) -> str:
