@@ -154,6 +154,42 @@ def test_spice_settings_enter_the_parameter_hash_only_when_changed():
     assert changed["spice"]["attempts"] == 4
 
 
+def test_the_reasoner_takes_one_valid_task_per_document_with_its_answers_or_every_question_fresh(tmp_path):
+    """`reasoner_tasks` on hand-written Stage 1 records: `shared` picks one kept valid task per document (seeded) with
+    the K answers that scored it; `fresh` keeps every distinct valid question once, without answers."""
+    from types import SimpleNamespace
+
+    from scope_lib.runs import Stage
+    from scope_lib.selfplay.methods.spice import reasoner_tasks
+
+    def task(question):
+        return {"question": question, "answer_type": "integer", "answer": 42, "options": [], "decimals": 0}
+
+    rows = [{"id": "a1", "document_id": "d1", "valid": True, "task": task("Q1")},
+            {"id": "a2", "document_id": "d1", "valid": True, "task": task("Q2")},
+            {"id": "a3", "document_id": "d1", "valid": False, "task": None},
+            {"id": "b1", "document_id": "d2", "valid": True, "task": task("Q1")},     # the same question again
+            {"id": "c1", "document_id": "d3", "valid": False, "task": None}]
+    stage = Stage(tmp_path / "iter_01" / "challenger")
+    stage.records("rollouts").append(rows)
+    stage.records("solver_rollouts").append(
+        {"id": f"{t}/r{j}", "task_id": t, "trajectory": {"id": f"{t}/r{j}"}} for t in ("a1", "a2", "b1") for j in (0, 1))
+
+    def tasks(samples):
+        params = load_params(REPO / "params" / "spice-smoke.yaml", {"spice.reasoner_samples": samples})
+        return reasoner_tasks(SimpleNamespace(params=params, stage=lambda t, name: Stage(tmp_path / "iter_01" / name)),
+                              1)
+
+    shared = tasks("shared")
+    assert len(shared) == 2 and "b1" in shared and len({"a1", "a2"} & set(shared)) == 1   # one per document
+    for task_id, item in shared.items():
+        assert [a["id"] for a in item.answers] == [f"{task_id}/r0", f"{task_id}/r1"]
+    assert tasks("shared") == shared                                                       # seeded
+    fresh = tasks("fresh")
+    assert list(fresh) == ["a1", "a2"] and all(item.answers == () for item in fresh.values())
+    assert fresh["a1"].task.question == "Q1" and fresh["a1"].task.answer == 42
+
+
 # -- resume -----------------------------------------------------------------------------------------------------------
 
 
