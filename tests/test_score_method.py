@@ -116,7 +116,7 @@ def test_score_iteration_rewards_baseline_and_a_resume_after_a_kill_in_the_evalu
         assert (folder / stage / "DONE").is_file()
 
     rubrics = read_jsonl(folder / "rubric" / "rollouts.jsonl")   # B x steps queries, one rubric each
-    assert len(rubrics) == 4 and all(r["harness"] == score_method.harness_record(score.DEFAULT_HARNESS)
+    assert len(rubrics) == 4 and all(r["harness"] == score_method.harness_in_brief(score.DEFAULT_HARNESS)
                                      for r in rubrics)
     assert [(r["valid"], r["invalid_reason"]) for r in rubrics].count((False, "no_dimensions")) == 1
     for r in rubrics:

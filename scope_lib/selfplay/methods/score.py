@@ -81,6 +81,12 @@ def harness_record(harness: score.Harness) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(harness)))
 
 
+def harness_in_brief(harness: score.Harness) -> dict[str, Any]:
+    """The harness as the per-query records keep it: Listing 3's fields and the pool's names (`score.harness_json`;
+    the pool's descriptions are in the harness stage's DONE)."""
+    return json.loads(score.harness_json(harness))
+
+
 def harness_from_record(record: dict[str, Any]) -> score.Harness:
     return score.Harness(**{**record, "must_include": tuple(record["must_include"]),
                             "pool": tuple(tuple(p) for p in record["pool"])})
@@ -218,7 +224,7 @@ def query_outcome(item: ScoreQuery, reports: list[Trajectory], evaluation: Traje
         values = score.solver_rewards(parsed, valid, searches, required)
     conclusions = [score.extract_conclusion(_reply(t), starts_in_think=t.opens_think) for t in reports]
     zeroed = parsed is None or not parsed.valid or not score.search_verified(searches, required)
-    return {"query": item.query, "harness": harness_record(item.harness), "rubric": rubric_record(item.rubric),
+    return {"query": item.query, "harness": harness_in_brief(item.harness), "rubric": rubric_record(item.rubric),
             "evaluated": parsed is not None,
             "problems": parsed.problem_counts() if parsed is not None else {"rubric_invalid": len(reports)},
             "scores": [dict(zip(item.rubric.dimensions, r.scores, strict=True)) for r in parsed.reports]
@@ -328,14 +334,14 @@ def sample_rubrics(r: SelfPlayRun, t: int) -> dict:
     run_rollouts(trajectories, r.engine, r.retriever, r.dialect, limits, adapter=EVALUATOR)
     parsed = [score.parse_rubric(_reply(traj), harness, starts_in_think=traj.opens_think) for traj in trajectories]
     records = [{"id": traj.meta["query_id"], "iteration": t, "query": traj.meta["query"],
-                "document_id": traj.meta["document_id"], "harness": harness_record(harness), "valid": p.valid,
+                "document_id": traj.meta["document_id"], "harness": harness_in_brief(harness), "valid": p.valid,
                 "invalid_reason": p.reason, "invalid_detail": p.detail, "rubric": rubric_record(p.rubric),
                 "trajectory": traj.to_record()} for traj, p in zip(trajectories, parsed, strict=True)]
     if ranks.is_main():
         stage.records("rollouts").append(records)
     summary = {"documents": [start, start + n], "queries": n, "valid_rubrics": sum(p.valid for p in parsed),
                "invalid_reasons": dict(Counter(p.reason for p in parsed if not p.valid)),
-               "harness": harness_record(harness)}
+               "harness": harness_in_brief(harness)}
     mark_done(stage, summary)
     return summary
 
@@ -350,7 +356,8 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
     if stage.done:
         return stage.summary
     reset_stage(r, t, stage)
-    items = {rec["id"]: ScoreQuery(rec["id"], rec["query"], harness_from_record(rec["harness"]),
+    harness = harness_in_force(r, t)  # the one the rubric stage chose its rubrics under
+    items = {rec["id"]: ScoreQuery(rec["id"], rec["query"], harness,
                                    rubric_from_record(rec["rubric"])) for rec in _rubrics(r, t)}
     result = train_role(stage_context(r, t, "solver", stage), items)
     evaluations = list(stage.records("evaluations"))
