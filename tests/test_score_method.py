@@ -265,3 +265,11 @@ def test_why_a_query_was_zeroed():
     assert score_method.zero_reason(None, None) == "no_rubric"
     assert score_method.zero_reason(parsed, too_long) == "evaluation_not_run"
     assert score_method.zero_reason(parsed, ran) == "too_few_searches"
+
+
+def test_the_paper_settings_fit_one_80_gib_gpu_with_lora(tmp_path):
+    from scope_lib.models.gpu_plan import plan_gpu
+
+    report = plan_gpu(load_params(REPO / "params" / "score-qwen2.5-7b.yaml", {"run.runs_dir": str(tmp_path)}),
+                      gpu_gib=80)
+    assert report.fits and not any("frozen second adapter" in row.item for row in report.rows)   # one shared actor
