@@ -149,9 +149,9 @@ class SpiceChallenger:
     def draw_rollouts(self, session: RoleSession, trajectories: list[Trajectory], limits: RolloutLimits, step: int
                       ) -> tuple[list[Trajectory], RolloutStats]:
         """Algorithm 1, lines 5-6: a document's rows are its first attempts; while none of its attempts is a valid
-        task and fewer than N = `spice.attempts` are drawn, as many again are drawn (a round, at its own seed).
-        Then `spice.subsample_attempts` keeps as many as the document has rows, with their valid:invalid ratio
-        (seeded by stage, step and document), in their rows' places. Every attempt is recorded (`attempts`)."""
+        task and fewer than N = `spice.attempts` are drawn, as many again are drawn (`draw_more`). Then
+        `spice.subsample_attempts` keeps as many as the document has rows, with their valid:invalid ratio (seeded by
+        stage, step and document), in their rows' places. Every attempt is recorded (`attempts`)."""
         ctx = session.ctx
         rows: dict[str, list[int]] = {}
         for i, t in enumerate(trajectories):
@@ -159,24 +159,7 @@ class SpiceChallenger:
         drawn = {item_id: [trajectories[i] for i in places] for item_id, places in rows.items()}
         stats = run_rollouts(trajectories, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits, adapter=ctx.role)
         parsed = {t.id: spice.parse_task(_reply(t), starts_in_think=t.opens_think) for t in trajectories}
-        tag = f"r{ranks.rank()}." if ranks.distributed() else ""
-        for round_ in range(1, ctx.params.spice.attempts + 1):
-            more = []
-            for item_id, attempts in drawn.items():
-                n = len(rows[item_id])
-                if (len(attempts) + n > ctx.params.spice.attempts or any(parsed[a.id].valid for a in attempts)
-                        or any(never_ran(a) for a in attempts)):
-                    continue
-                fresh = [self.new_trajectory(ctx, item_id, session.items[item_id],
-                                             f"{item_id}/t{step:03d}/a{tag}{len(attempts) + j}") for j in range(n)]
-                attempts.extend(fresh)
-                more.extend(fresh)
-            if not more:
-                break
-            again = dataclasses.replace(limits, seed=None if limits.seed is None else limits.seed + ROUND_SEED * round_)
-            stats = combined(stats, run_rollouts(more, ctx.rollout_engine, ctx.retriever, ctx.dialect, again,
-                                                 adapter=ctx.role))
-            parsed.update({t.id: spice.parse_task(_reply(t), starts_in_think=t.opens_think) for t in more})
+        stats = self.draw_more(session, drawn, parsed, limits, step, stats)
         out: list[Trajectory] = list(trajectories)
         records = []
         for item_id, attempts in drawn.items():
@@ -191,6 +174,32 @@ class SpiceChallenger:
                         for j, a in enumerate(attempts)]
         session.unwritten["attempts"] = records
         return out, stats
+
+    def draw_more(self, session: RoleSession, drawn: dict[str, list[Trajectory]], parsed: dict[str, spice.TaskParse],
+                  limits: RolloutLimits, step: int, stats: RolloutStats) -> RolloutStats:
+        """Further rounds (each at its own seed): every document without a valid attempt, whose attempts ran and are
+        still at most N less its first round's count, draws that many more. Extends `drawn` and `parsed`."""
+        ctx = session.ctx
+        tag = f"r{ranks.rank()}." if ranks.distributed() else ""
+        first = {item_id: len(attempts) for item_id, attempts in drawn.items()}
+        for round_ in range(1, ctx.params.spice.attempts + 1):
+            more = []
+            for item_id, attempts in drawn.items():
+                if (len(attempts) + first[item_id] > ctx.params.spice.attempts
+                        or any(parsed[a.id].valid or never_ran(a) for a in attempts)):
+                    continue
+                fresh = [self.new_trajectory(ctx, item_id, session.items[item_id],
+                                             f"{item_id}/t{step:03d}/a{tag}{len(attempts) + j}")
+                         for j in range(first[item_id])]
+                attempts.extend(fresh)
+                more.extend(fresh)
+            if not more:
+                return stats
+            again = dataclasses.replace(limits, seed=None if limits.seed is None else limits.seed + ROUND_SEED * round_)
+            stats = combined(stats, run_rollouts(more, ctx.rollout_engine, ctx.retriever, ctx.dialect, again,
+                                                 adapter=ctx.role))
+            parsed.update({t.id: spice.parse_task(_reply(t), starts_in_think=t.opens_think) for t in more})
+        return stats
 
     def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
                 ) -> tuple[list[float | None], dict[str, Any]]:
