@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from scope_lib.config import Params, ParamsError
 from scope_lib.selfplay.harness import Method
-from scope_lib.selfplay.methods.score import SCORE
 from scope_lib.selfplay.methods.scope import SCOPE
+from scope_lib.selfplay.methods.score import SCORE
 from scope_lib.selfplay.methods.spice import SPICE
 from scope_lib.selfplay.methods.ssp import SSP
 
