@@ -154,6 +154,17 @@ def test_spice_settings_enter_the_parameter_hash_only_when_changed():
     assert changed["spice"]["attempts"] == 4
 
 
+def test_shared_reasoner_samples_need_k_equal_to_g():
+    from scope_lib.config import ParamsError
+    from scope_lib.selfplay.methods.spice import check_params
+
+    check_params(load_params(REPO / "params" / "spice-smoke.yaml"))                     # K = G = 2
+    with pytest.raises(ParamsError, match="spice.reasoner_samples: fresh"):
+        check_params(load_params(REPO / "params" / "spice-smoke.yaml", {"grpo.group_size": 4}))
+    check_params(load_params(REPO / "params" / "spice-smoke.yaml", {"grpo.group_size": 4,
+                                                                     "spice.reasoner_samples": "fresh"}))
+
+
 def test_the_reasoner_takes_one_valid_task_per_document_with_its_answers_or_every_question_fresh(tmp_path):
     """`reasoner_tasks` on hand-written Stage 1 records: `shared` picks one kept valid task per document (seeded) with
     the K answers that scored it; `fresh` keeps every distinct valid question once, without answers."""
