@@ -111,7 +111,7 @@ class SspEngine(ScriptedEngine):
 
 
 SETTINGS = {"selfplay.iterations": 1, "selfplay.challenger_steps": 1, "selfplay.steps_per_role": 2,
-            "selfplay.solver_rollouts_train": 3}
+            "selfplay.solver_rollouts_train": 3, "challenger.batch_size": 4}
 
 
 def ssp_params(tmp_path, data_dir, **overrides):
@@ -150,7 +150,8 @@ def test_ssp_runs_one_iteration_with_its_filters_verification_and_rewards(uninte
         assert (folder / stage / "adapter" / "adapter_config.json").is_file()
     n = params.selfplay.solver_rollouts_train
     proposals = read_jsonl(folder / "challenger" / "rollouts.jsonl")
-    assert len(proposals) == params.challenger.batch_size * params.grpo.group_size == 4
+    assert len(proposals) == params.challenger.batch_size == 4      # REINFORCE: one proposal per answer
+    assert len({p["answer"] for p in proposals}) == 4
     # the scripted Proposer wrote, in turn: valid, the answer inside, unanswerable, valid
     by_reason = {}
     for p in proposals:
@@ -181,10 +182,13 @@ def test_ssp_runs_one_iteration_with_its_filters_verification_and_rewards(uninte
         assert r["trajectory"]["searches"] == [] and "<search>" not in prompt
     solver = read_jsonl(folder / "challenger" / "solver_rollouts.jsonl")
     assert len(solver) == n * 2 and all(s["trajectory"]["searches"] for s in solver)
+    for p in proposals:  # REINFORCE's advantage: the reward minus the step's mean reward, (2/3 + 2/3) / 4
+        assert (p["baseline"], p["advantage"]) == pytest.approx((1 / 3, p["reward"] - 1 / 3))
     metrics = read_jsonl(folder / "challenger" / "metrics.jsonl")[0]
     assert (metrics["valid_rate"], metrics["filter_pass_rate"], metrics["rag_pass_rate"]) == (0.5, 0.75, 2 / 3)
     assert (metrics["solver_success"], metrics["zero_spread_tasks"]) == pytest.approx((1 / 3, 0.0))
-    assert metrics["reward"] == pytest.approx((2 / 3 + 2 / 3 + 0 + 0) / 4)
+    assert (metrics["reward"], metrics["baseline"]) == pytest.approx(((2 / 3 + 2 / 3 + 0 + 0) / 4, 1 / 3))
+    assert metrics["zero_spread_share"] == 0.0       # no advantage is 0
     summary = json.loads((folder / "challenger" / "DONE").read_text())
     assert (summary["attempts"], summary["valid"], summary["rag_checked"], summary["rag_passed"]) == (4, 2, 3, 2)
     assert summary["invalid_reasons"] == {"answer_in_question": 1, RAG_REJECTED: 1}
@@ -238,6 +242,24 @@ def test_a_solver_stage_killed_mid_way_resumes_with_nothing_duplicated(tmp_path,
     a = load_file(str(mine / "solver" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(theirs / "solver" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_second_iteration_fills_the_solvers_empty_slots_from_the_buffer_the_first_stored(tmp_path, wiki_sample,
+                                                                                            tiny_model_dir, retriever):
+    params = ssp_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 2, "selfplay.steps_per_role": 1,
+                                                          "solver.batch_size": 4})
+    run_ssp(params, tiny_model_dir, retriever)
+    first, second = (params.run_dir / f"iter_{t:02d}" / "solver" for t in (1, 2))
+    stored = read_jsonl(first / "replay_buffer.jsonl")
+    assert [q["global_step"] for q in stored] == [1, 1]          # Proposer step 1 of iteration 1
+    # the scripted Proposer's kinds go on cycling: iteration 2 writes one valid question (then a leak, an unanswerable
+    # one, ...), so 3 of the 4 slots are open and both stored questions fill them
+    assert json.loads((second / "DONE").read_text())["replay"] == {"period": 0, "new": 1, "from_buffer": 2,
+                                                                   "buffer": 3}
+    answers = read_jsonl(second / "rollouts.jsonl")
+    assert {a["task_id"] for a in answers if a["from_buffer"]} == {q["id"] for q in stored}
+    assert {a["task_id"] for a in answers if not a["from_buffer"]}.isdisjoint({q["id"] for q in stored})
+    assert [q["global_step"] for q in read_jsonl(second / "replay_buffer.jsonl")] == [1, 1, 2]
 
 
 def question(id: str, step: int, text: str | None = None, iteration: int = 1) -> SspQuestion:

@@ -6,17 +6,18 @@ without search, given the Proposer's retrieved results plus noise results of oth
 answer it correctly (§3.2 eq. 3, §3.3, Algorithm 1 line 4; `protocol.ssp`). Answers are checked by rule
 (`ssp.answer_correct`); the paper's LLM judge is not wired in. No Judge.
 
-    SSP.stages             # `challenger` (the Proposer: GRPO on r_propose), `solver` (the Solver: GRPO on r_solve)
+    SSP.stages             # `challenger` (the Proposer: REINFORCE on r_propose), `solver` (the Solver: GRPO on r_solve)
 
 runs/<name>/iter_NN/challenger/  rollouts (every proposal: its answer, question, filter reason, RAG outcome, the
-                                 Solver's outcomes, r_propose), rag_rollouts (the RAG Solver's answers),
+                                 Solver's outcomes, r_propose, baseline, advantage), rag_rollouts (the RAG Solver's answers),
                                  solver_rollouts (the n Solver answers that scored it), metrics, adapter, DONE
 runs/<name>/iter_NN/solver/      replay_buffer (the valid questions kept for the next iteration), rollouts (the
                                  Solver's answers, correct, r_solve), metrics, adapter, DONE
 
 Stage 1 (Algorithm 1 lines 2-9): `selfplay.challenger_prompts` answers from the iteration's documents
-(`answer_set.corpus_answers`), each with a search-chain length drawn from `selfplay.search_turn_strata`; TRL's G
-copies of an answer are its proposals. Each proposal is filtered by rule (`ssp.filter_question`, with its valid
+(`answer_set.corpus_answers`), each with a search-chain length drawn from `selfplay.search_turn_strata`; one
+proposal per answer (REINFORCE, eq. 5: `SspProposer.group_size` 1, the step's mean reward as the baseline). Each
+proposal is filtered by rule (`ssp.filter_question`, with its valid
 searches counted in the model's dialect), then RAG-verified (one answer per question, `ssp.rag_passages`: own
 results plus `ssp.NOISE_PASSAGES`); each valid question gets n = `selfplay.solver_rollouts_train` Solver rollouts
 with search; r_propose = 1 - their success rate (eq. 7), 0 for an invalid question. Stage 2 (line 10) trains the
@@ -24,10 +25,9 @@ Solver on Stage 1's valid questions, slots they leave empty filled from the repl
 Reset": the buffer holds the valid questions of the Proposer's steps since the last reset, every
 REPLAY_RESET_STEPS steps), r_solve = 1[correct] (eq. 6).
 
-Where we differ from the paper (docs/methods.md, "SSP's loop"): GRPO over G proposals per answer stands in for the
-Proposer's REINFORCE with one sample (TRL's GRPO needs G >= 2; the group mean is the baseline; the paper's Table 6
-runs GRPO for both roles too); the Solver's reward comes from its own G rollouts in Stage 2, not from the n that
-scored the Proposer (the shared core trains one role per stage).
+Where we differ from the paper (docs/methods.md, "SSP's loop"): the Proposer's REINFORCE subtracts the step's mean
+reward (eq. 5 has none); the Solver's reward comes from its own G rollouts in Stage 2, not from the n that scored the
+Proposer (the shared core trains one role per stage); the buffer refreshes once per iteration.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _one_turn(limits: RolloutLimits) -> RolloutLimits:
 
 
 def proposer_steps(params: Params) -> int:
-    """The Proposer's GRPO steps per iteration (`selfplay.challenger_steps`, else `steps_per_role`)."""
+    """The Proposer's training steps per iteration (`selfplay.challenger_steps`, else `steps_per_role`)."""
     return params.selfplay.challenger_steps or params.selfplay.steps_per_role
 
 
@@ -180,6 +180,14 @@ def rag_trajectory(ctx: StageContext, traj_id: str, question: str, passages: lis
 
 def _solver_seed(ctx: StageContext, step: int, offset: int) -> int:
     return ctx.seed * 1000 + offset + step + 100_000 * ranks.rank()
+
+
+def batch_baseline(rewards: list[float | None]) -> float:
+    """REINFORCE's baseline for one Proposer step: the mean reward of the step's proposals that ran (on this rank),
+    0 when none did. Subtracting it leaves eq. 5's gradient unbiased and centres it: with one proposal per answer
+    there is no group to centre by."""
+    scored = [r for r in rewards if r is not None]
+    return sum(scored) / len(scored) if scored else 0.0
 
 
 @dataclass
@@ -234,6 +242,7 @@ class SspProposer:
 
     extra_records = ("rag_rollouts", "solver_rollouts")
     searches = True
+    group_size = 1  # REINFORCE with one proposal per answer (eq. 5, Table 4): the rewards below are the advantages
 
     def limits(self, params: Params) -> RolloutLimits:
         return challenger_limits(params)  # the Proposer's budgets are the task writer's (challenger.*)
@@ -266,13 +275,15 @@ class SspProposer:
         for p in proposals:
             for s in p.solvers:
                 s.meta["correct"] = ssp.answer_correct(s.answer, p.answer)
-        self._write(session, step, proposals)
+        rewards = [p.reward for p in proposals]
+        baseline = batch_baseline(rewards)
+        advantages = [None if r is None else r - baseline for r in rewards]
+        self._write(session, step, proposals, baseline)
         ran = [p for p in proposals if p.ran]
         checked = [p.rag_verified for p in ran if p.rag_verified is not None]
         rates = [mean_of(p.solved) for p in ran if p.solved is not None]
-        values = [p.reward for p in proposals]
-        return values, {
-            **reward_stats(values),
+        return advantages, {
+            **reward_stats(rewards), "baseline": baseline,
             "valid_rate": mean_of([p.solved is not None for p in ran]) if ran else None,
             "filter_pass_rate": mean_of([p.filter_reason is None for p in ran]) if ran else None,
             "rag_pass_rate": mean_of(checked) if checked else None,
@@ -313,10 +324,13 @@ class SspProposer:
         return p.solvers
 
     @staticmethod
-    def _write(session: RoleSession, step: int, proposals: list[Proposal]) -> None:
-        """The step's records: every proposal, the RAG Solver's answers, the n Solver rollouts (1-based step)."""
+    def _write(session: RoleSession, step: int, proposals: list[Proposal], baseline: float) -> None:
+        """The step's records: every proposal (its reward, the step's baseline and its advantage), the RAG Solver's
+        answers, the n Solver rollouts (1-based step)."""
         iteration = session.ctx.iteration
-        session.unwritten["rollouts"] = [p.record(iteration, step + 1) for p in proposals]
+        session.unwritten["rollouts"] = [
+            {**p.record(iteration, step + 1), "baseline": baseline,
+             "advantage": None if p.reward is None else p.reward - baseline} for p in proposals]
         session.unwritten["rag_rollouts"] = [
             {"id": p.rag.id, "iteration": iteration, "step": step + 1, "question_id": p.trajectory.id,
              "answer": p.rag.answer, "correct": p.rag_verified, "finish": p.rag.finish,
@@ -359,7 +373,7 @@ class SspSolver:
 
 
 def train_proposer(r: SelfPlayRun, t: int) -> dict:
-    """Stage 1: GRPO on r_propose over `selfplay.challenger_prompts` answers from fresh documents."""
+    """Stage 1: REINFORCE on r_propose over `selfplay.challenger_prompts` answers from fresh documents."""
     stage = r.stage(t, "challenger")
     if stage.done:
         return stage.summary
@@ -397,9 +411,13 @@ def train_proposer(r: SelfPlayRun, t: int) -> dict:
 
 
 def new_questions(records, t: int, steps: int) -> list[SspQuestion]:
-    """Stage 1's valid questions of iteration t, in record order."""
-    return [SspQuestion(rec["id"], rec["question"], rec["answer"], t, (t - 1) * steps + rec["step"])
-            for rec in records if rec.get("valid")]
+    """Stage 1's valid questions of iteration t, in record order, each question text once (the first)."""
+    found: dict[str, SspQuestion] = {}
+    for rec in records:
+        if rec.get("valid"):
+            found.setdefault(normalize_answer(rec["question"]),
+                             SspQuestion(rec["id"], rec["question"], rec["answer"], t, (t - 1) * steps + rec["step"]))
+    return list(found.values())
 
 
 def replay_buffer(r: SelfPlayRun, t: int) -> list[SspQuestion]:
