@@ -779,6 +779,23 @@ class SpiceConfig(Section):
         "= grpo.group_size); 'fresh' = G new answers per valid task in the Reasoner's stage.")
 
 
+class SspConfig(Section):
+    """Search Self-Play's loop (`method: ssp`; docs/methods.md, "SSP's loop"). Read by no other method."""
+
+    answer_file: str | None = Field(
+        None, description="The answer set from a file (App. A.4: the paper samples NQ's and HotpotQA's training "
+        "answers): one answer a line, or JSONL with 'answer' or 'answers' / 'golden_answers' (relative paths from the "
+        "data dir; `answer_set.read_answer_file`). Refused when it lies in an evaluation folder or evaluation.data_files, "
+        "shares a question with them or mostly their gold answers; the gold answers it shares are dropped. None = the "
+        "data-free default: answers the corpus rule takes from each iteration's fresh documents.")
+    noise_passages: int = Field(
+        4, ge=0, description="Noise results of the step's other proposals mixed into RAG verification (§4.4, "
+        "Table 3: 4 was best).")
+    replay_reset_steps: int = Field(
+        10, ge=1, description="The replay buffer of valid questions is cleared every this many Proposer steps "
+        "(App. B.1, 'Replay Buffer (Periodic Reset)': 10).")
+
+
 class RunConfig(Section):
     """Where a run lives and how it is named."""
 
@@ -821,6 +838,7 @@ class Params(Section):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     learning_check: LearningCheckConfig = Field(default_factory=LearningCheckConfig)
     spice: SpiceConfig = Field(default_factory=SpiceConfig)
+    ssp: SspConfig = Field(default_factory=SspConfig)
     method: str = Field(
         "scope", min_length=1, description="The self-play method: 'scope' (the paper), or another registered in "
         "`scope_lib.selfplay.methods.METHODS` (checked when a run opens; docs/methods.md).")

@@ -10,10 +10,12 @@ import re
 
 import pytest
 import torch
+import yaml
 from scripted_engine import ScriptedEngine
 from training_helpers import FAST, REPO, comparable, load_policy
 
 from scope_lib.config import load_params
+from scope_lib.protocol.answer_set import AnswerSetError
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.runs import read_jsonl
@@ -22,6 +24,7 @@ from scope_lib.selfplay.loop import run
 from scope_lib.selfplay.methods.ssp import (
     RAG_REJECTED,
     SspQuestion,
+    file_answers,
     refill_buffer,
     replay_period,
     training_questions,
@@ -244,11 +247,24 @@ def test_a_solver_stage_killed_mid_way_resumes_with_nothing_duplicated(tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+#: An answer file of the kind App. A.4 samples (training answers, none of them an evaluation gold answer).
+ANSWERS = ["Harbour Bridge Tollway", "Velvet Orchard Society", "Copper Lantern Press", "Northgate Rowing Club",
+           "Saint Brennan Chapel", "Amber Valley Railway", "Kestrel Point Lighthouse", "Marlow Glass Works"]
+
+
 def test_a_second_iteration_fills_the_solvers_empty_slots_from_the_buffer_the_first_stored(tmp_path, wiki_sample,
                                                                                             tiny_model_dir, retriever):
+    (tmp_path / "answers.txt").write_text("\n".join(ANSWERS) + "\n")
     params = ssp_params(tmp_path, wiki_sample.parent, **{"selfplay.iterations": 2, "selfplay.steps_per_role": 1,
-                                                          "solver.batch_size": 4})
+                                                          "solver.batch_size": 4,
+                                                          "ssp.answer_file": str(tmp_path / "answers.txt")})
     run_ssp(params, tiny_model_dir, retriever)
+    proposed = [read_jsonl(params.run_dir / f"iter_{t:02d}" / "challenger" / "rollouts.jsonl") for t in (1, 2)]
+    assert [sorted(p["answer"] for p in step) for step in proposed] == [
+        sorted(a.text for a in file_answers(params)[:4]), sorted(a.text for a in file_answers(params)[4:])]
+    assert {p["answer_kind"] for step in proposed for p in step} == {"file"}      # the file's answers, 4 and 4
+    assert [json.loads((params.run_dir / f"iter_{t:02d}" / "challenger" / "DONE").read_text())["answer_positions"]
+            for t in (1, 2)] == [[0, 4], [4, 8]]
     first, second = (params.run_dir / f"iter_{t:02d}" / "solver" for t in (1, 2))
     stored = read_jsonl(first / "replay_buffer.jsonl")
     assert [q["global_step"] for q in stored] == [1, 1]          # Proposer step 1 of iteration 1
@@ -260,6 +276,29 @@ def test_a_second_iteration_fills_the_solvers_empty_slots_from_the_buffer_the_fi
     assert {a["task_id"] for a in answers if a["from_buffer"]} == {q["id"] for q in stored}
     assert {a["task_id"] for a in answers if not a["from_buffer"]}.isdisjoint({q["id"] for q in stored})
     assert [q["global_step"] for q in read_jsonl(second / "replay_buffer.jsonl")] == [1, 1, 2]
+
+
+def test_the_answer_file_is_refused_when_it_is_or_copies_an_evaluation_set(tmp_path, wiki_sample):
+    nq = [json.loads(line) for line in (wiki_sample.parent / "qa" / "nq.jsonl").read_text().splitlines()[:12]]
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text("".join(json.dumps({"answer": r["golden_answers"][0]}) + "\n" for r in nq))
+    with pytest.raises(AnswerSetError, match="evaluation gold answers"):
+        file_answers(ssp_params(tmp_path, wiki_sample.parent, **{"ssp.answer_file": str(copy)}))
+    own = tmp_path / "own.txt"                     # three training answers and one NQ gold answer: kept, less it
+    own.write_text("\n".join([*ANSWERS[:3], nq[0]["golden_answers"][0]]) + "\n")
+    assert sorted(a.text for a in file_answers(ssp_params(tmp_path, wiki_sample.parent,
+                                                          **{"ssp.answer_file": str(own)}))) == sorted(ANSWERS[:3])
+    (tmp_path / "data" / "qa").mkdir(parents=True)   # a file in the data dir's QA folder is an evaluation file
+    (tmp_path / "data" / "qa" / "mine.txt").write_text("\n".join(ANSWERS) + "\n")
+    with pytest.raises(AnswerSetError, match="evaluation data"):
+        file_answers(ssp_params(tmp_path, tmp_path / "data", **{"ssp.answer_file": "qa/mine.txt"}))
+
+
+def test_ssp_settings_stay_out_of_the_parameter_hash_at_their_defaults():
+    from scope_lib.selfplay.loop import science_yaml
+
+    assert "ssp" not in yaml.safe_load(science_yaml(load_params(None)))
+    assert yaml.safe_load(science_yaml(load_params(None, {"ssp.noise_passages": 7})))["ssp"]["noise_passages"] == 7
 
 
 def question(id: str, step: int, text: str | None = None, iteration: int = 1) -> SspQuestion:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from scope_lib.config import Params, ParamsError, SpiceConfig
+from scope_lib.config import Params, ParamsError, SpiceConfig, SspConfig
 from scope_lib.models.engine import Engine
 from scope_lib.models.loading import make_engine
 from scope_lib.protocol.dialects import get_dialect
@@ -165,7 +165,7 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
     count: a finished run continues with more). Options added after runs existed are left out at their default
     (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `method:
-    scope`, `model.shared_policy: false`, `spice` at its defaults, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
+    scope`, `model.shared_policy: false`, `spice` and `ssp` at their defaults, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
     left the hash, for runs started then."""
     import yaml
 
@@ -188,6 +188,8 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
         science["model"].pop("shared_policy")
     if params.spice == SpiceConfig():
         science.pop("spice")
+    if params.ssp == SspConfig():
+        science.pop("ssp")
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}
     return yaml.safe_dump(science, sort_keys=True)

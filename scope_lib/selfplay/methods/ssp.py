@@ -15,15 +15,16 @@ runs/<name>/iter_NN/solver/      replay_buffer (the valid questions kept for the
                                  Solver's answers, correct, r_solve), metrics, adapter, DONE
 
 Stage 1 (Algorithm 1 lines 2-9): `selfplay.challenger_prompts` answers from the iteration's documents
-(`answer_set.corpus_answers`), each with a search-chain length drawn from `selfplay.search_turn_strata`; one
+(`answer_set.corpus_answers`) or from `ssp.answer_file` (`answer_set.read_answer_file`, never an evaluation set), each
+with a search-chain length drawn from `selfplay.search_turn_strata`; one
 proposal per answer (REINFORCE, eq. 5: `SspProposer.group_size` 1, the step's mean reward as the baseline). Each
 proposal is filtered by rule (`ssp.filter_question`, with its valid
 searches counted in the model's dialect), then RAG-verified (one answer per question, `ssp.rag_passages`: own
-results plus `ssp.NOISE_PASSAGES`); each valid question gets n = `selfplay.solver_rollouts_train` Solver rollouts
+results plus `ssp.noise_passages` of the others); each valid question gets n = `selfplay.solver_rollouts_train` Solver rollouts
 with search; r_propose = 1 - their success rate (eq. 7), 0 for an invalid question. Stage 2 (line 10) trains the
 Solver on Stage 1's valid questions, slots they leave empty filled from the replay buffer (App. B.1, "Periodic
 Reset": the buffer holds the valid questions of the Proposer's steps since the last reset, every
-REPLAY_RESET_STEPS steps), r_solve = 1[correct] (eq. 6).
+`ssp.replay_reset_steps` steps), r_solve = 1[correct] (eq. 6).
 
 Where we differ from the paper (docs/methods.md, "SSP's loop"): the Proposer's REINFORCE subtracts the step's mean
 reward (eq. 5 has none); the Solver's reward comes from its own G rollouts in Stage 2, not from the n that scored the
@@ -33,14 +34,22 @@ Proposer (the shared core trains one role per stage); the buffer refreshes once 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from scope_lib.config import Params
 from scope_lib.protocol import ssp
-from scope_lib.protocol.answer_set import corpus_answers
+from scope_lib.protocol.answer_set import (
+    Answer,
+    corpus_answers,
+    evaluation_folders,
+    read_answer_file,
+    sample_answers,
+)
 from scope_lib.protocol.verification import normalize_answer
 from scope_lib.retrieval.corpus import document_range
 from scope_lib.runs import read_jsonl, write_jsonl
@@ -67,7 +76,8 @@ from scope_lib.selfplay.training import (
     train_role,
 )
 
-#: The replay buffer is cleared every this many Proposer steps (App. B.1, "Replay Buffer (Periodic Reset)": 10).
+#: The replay buffer is cleared every this many Proposer steps (App. B.1, "Replay Buffer (Periodic Reset)": 10), the
+#: default of `ssp.replay_reset_steps`.
 REPLAY_RESET_STEPS = 10
 #: Why a proposal that passed the rule filters is invalid: the RAG Solver did not answer it correctly (eq. 3).
 RAG_REJECTED = "rag_rejected"
@@ -97,13 +107,62 @@ class SspQuestion:
     global_step: int
 
 
-def proposer_prompts(documents, n: int, strata: list[int], seed: int, id_prefix: str) -> list[ProposerPrompt]:
-    """Up to `n` answers from `documents` (`answer_set.corpus_answers`: one per document in a seeded order, then a
-    second, ...), each with a search-chain length of 1, 2, 3, ... apportioned by `strata` and shuffled."""
-    answers = corpus_answers(documents, n, seed)
+def proposer_prompts(answers: list[Answer], strata: list[int], seed: int, id_prefix: str) -> list[ProposerPrompt]:
+    """One Proposer prompt per answer, each with a search-chain length of 1, 2, 3, ... apportioned by `strata` and
+    shuffled."""
     searches = apportion(len(answers), strata, seed + 1)
     return [ProposerPrompt(f"{id_prefix}{i}", a.text, a.kind, a.source, s + 1)
             for i, (a, s) in enumerate(zip(answers, searches, strict=True))]
+
+
+def evaluation_data(params: Params) -> tuple[list[Path], list[str], list[str]]:
+    """What the answer file must stay clear of: the evaluation folders and `evaluation.data_files`, and the questions
+    and gold answers of those files' JSONL records ("question"; "golden_answers", "answers" or "answer")."""
+    files = [params.data_dir / f for value in params.evaluation.data_files.values()
+             for f in ([value] if isinstance(value, str) else value)]
+    questions: list[str] = []
+    answers: list[str] = []
+    for path in files:
+        if path.suffix != ".jsonl" or not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # not a JSONL record: its folder is guarded all the same
+                continue
+            if not isinstance(record, dict):
+                continue
+            if isinstance(record.get("question"), str):
+                questions.append(record["question"])
+            golds = record.get("golden_answers") or record.get("answers") or record.get("answer")
+            answers += [str(g) for g in ([golds] if isinstance(golds, str | int | float) else golds or [])]
+    return evaluation_folders(params.data_dir, files), questions, answers
+
+
+def file_answers(params: Params) -> list[Answer]:
+    """`ssp.answer_file`'s answers in the run's seeded order, after the evaluation guard (`read_answer_file`)."""
+    path = Path(params.ssp.answer_file)
+    paths, questions, golds = evaluation_data(params)
+    answers = read_answer_file(path if path.is_absolute() else params.data_dir / path, evaluation_paths=paths,
+                               evaluation_questions=questions, evaluation_answers=golds)
+    return sample_answers(answers, len(answers), params.selfplay.seed)
+
+
+def iteration_answers(r: SelfPlayRun, t: int) -> tuple[list[Answer], dict[str, list[int]]]:
+    """Iteration t's `selfplay.challenger_prompts` answers and where they came from, for the stage's summary: the
+    corpus rule over the next fresh documents (`documents`: their range in the run's permutation), or the next
+    positions of the answer file's seeded order (`answer_positions`, wrapping round)."""
+    n = r.params.selfplay.challenger_prompts
+    previous = r.stage(t - 1, "challenger").summary if t > 1 else {}
+    if r.params.ssp.answer_file:
+        answers = file_answers(r.params)
+        start = previous.get("answer_positions", [0, 0])[1]
+        return [answers[(start + j) % len(answers)] for j in range(min(n, len(answers)))], {
+            "answer_positions": [start, start + min(n, len(answers))]}
+    start = documents_start(r, t, "challenger")
+    documents = document_range(r.passages, start, n, r.params.selfplay.seed, limit=r.training_documents)
+    return corpus_answers(documents, n, stage_seed(r.params, t, "challenger")), {
+        "documents": [start, start + len(documents)]}
 
 
 # -- the replay buffer (App. B.1) -------------------------------------------------------------------------------
@@ -301,7 +360,8 @@ class SspProposer:
         batch_passages = [p.trajectory.evidence for p in proposals]
         for i, p in enumerate(proposals):
             if p.ran and p.filter_reason is None:
-                passages = ssp.rag_passages(batch_passages, i, seed=f"{ctx.seed}/{step}")
+                passages = ssp.rag_passages(batch_passages, i, n_noise=ctx.params.ssp.noise_passages,
+                                            seed=f"{ctx.seed}/{step}")
                 own = sum(passage in p.trajectory.evidence for passage in passages)
                 p.rag = rag_trajectory(ctx, f"{p.trajectory.id}/rag", p.question, passages,
                                        {"question_id": p.trajectory.id, "own_passages": own,
@@ -377,23 +437,21 @@ def train_proposer(r: SelfPlayRun, t: int) -> dict:
     stage = r.stage(t, "challenger")
     if stage.done:
         return stage.summary
-    start = documents_start(r, t, "challenger")
-    sp = r.params.selfplay
+    answers, source = iteration_answers(r, t)
+    if not answers:
+        raise RuntimeError(f"iteration {t}: the corpus rule found no answer in documents {source['documents']} of the "
+                           "run's permutation (answer_set.corpus_answers); raise selfplay.challenger_prompts")
     reset_stage(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # the Solver verifies and answers the Proposer's questions
-    documents = document_range(r.passages, start, sp.challenger_prompts, sp.seed, limit=r.training_documents)
-    prompts = proposer_prompts(documents, sp.challenger_prompts, sp.search_turn_strata,
-                               stage_seed(r.params, t, "challenger"), id_prefix=f"i{t:02d}-a")
-    if not prompts:
-        raise RuntimeError(f"iteration {t}: the corpus rule found no answer in documents {start}..{start + len(documents)}"
-                           " of the run's permutation (answer_set.corpus_answers); raise selfplay.challenger_prompts")
+    prompts = proposer_prompts(answers, r.params.selfplay.search_turn_strata, stage_seed(r.params, t, "challenger"),
+                               id_prefix=f"i{t:02d}-a")
     result = train_role(stage_context(r, t, "challenger", stage), {p.id: p for p in prompts})
     attempts = [rec for rec in stage.records("rollouts") if rec["valid"] is not None]
     valid = sum(rec["valid"] for rec in attempts)
     checked = [rec["rag_verified"] for rec in attempts if rec["rag_verified"] is not None]
     rates = [rec["success_rate"] for rec in attempts if rec["success_rate"] is not None]
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
-               "documents": [start, start + len(documents)], "answers": len(prompts), "saved": result.saved.name,
+               **source, "answers": len(prompts), "saved": result.saved.name,
                "reward": [m.get("reward") for m in result.metrics], "attempts": len(attempts), "valid": valid,
                "valid_rate": valid / len(attempts) if attempts else 0.0,
                "invalid_reasons": dict(Counter(rec["invalid_reason"] for rec in attempts if not rec["valid"])),
@@ -439,14 +497,15 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
     steps = proposer_steps(r.params)
     now = t * steps  # the Proposer's last global step so far
     new = new_questions(r.stage(t, "challenger").records("rollouts"), t, steps)
-    before = refill_buffer(replay_buffer(r, t - 1), [], now)  # what a reset since then has not cleared
+    reset = r.params.ssp.replay_reset_steps
+    before = refill_buffer(replay_buffer(r, t - 1), [], now, reset)  # what a reset since then has not cleared
     slots = r.params.selfplay.steps_per_role * r.params.solver.batch_size
     questions = training_questions(new, before, slots, stage_seed(r.params, t, "solver"))
-    buffer = refill_buffer(before, new, now)
+    buffer = refill_buffer(before, new, now, reset)
     if ranks.is_main():  # stored, so that the next iteration (or a resumed run) starts from it
         write_jsonl(stage.path / "replay_buffer.jsonl", [question_record(q) for q in buffer])
     ranks.barrier()
-    replay = {"period": replay_period(now), "new": len(new), "from_buffer": sum(q.iteration < t for q in questions),
+    replay = {"period": replay_period(now, reset), "new": len(new), "from_buffer": sum(q.iteration < t for q in questions),
               "buffer": len(buffer)}
     if not questions:
         summary = {"skipped": "no valid question", "steps": 0, "questions": 0, "replay": replay,
