@@ -85,8 +85,8 @@ RAG_REJECTED = "rag_rejected"
 
 @dataclass(frozen=True)
 class ProposerPrompt:
-    """One ground truth a* for the Proposer: its text, where the corpus rule found it, and the search chain's
-    length the prompt asks for (the paper's n of its prompt)."""
+    """One ground truth a* for the Proposer: its text, its kind and where it came from (`answer_set.Answer`: a
+    document id, or file:line), and the search chain's length the prompt asks for (the paper's n of its prompt)."""
 
     id: str
     answer: str
@@ -433,14 +433,14 @@ class SspSolver:
 
 
 def train_proposer(r: SelfPlayRun, t: int) -> dict:
-    """Stage 1: REINFORCE on r_propose over `selfplay.challenger_prompts` answers from fresh documents."""
+    """Stage 1: REINFORCE on r_propose over `selfplay.challenger_prompts` answers (fresh documents, or the file)."""
     stage = r.stage(t, "challenger")
     if stage.done:
         return stage.summary
     answers, source = iteration_answers(r, t)
     if not answers:
-        raise RuntimeError(f"iteration {t}: the corpus rule found no answer in documents {source['documents']} of the "
-                           "run's permutation (answer_set.corpus_answers); raise selfplay.challenger_prompts")
+        raise RuntimeError(f"iteration {t}: no answer for the Proposer ({source}): the corpus rule found none in these "
+                           "documents (raise selfplay.challenger_prompts), or ssp.answer_file kept none")
     reset_stage(r, t, stage)
     publish_roles(r, t, "challenger", ("solver",))  # the Solver verifies and answers the Proposer's questions
     prompts = proposer_prompts(answers, r.params.selfplay.search_turn_strata, stage_seed(r.params, t, "challenger"),
