@@ -794,6 +794,11 @@ class SspConfig(Section):
     replay_reset_steps: int = Field(
         10, ge=1, description="The replay buffer of valid questions is cleared every this many Proposer steps "
         "(App. B.1, 'Replay Buffer (Periodic Reset)': 10).")
+    solver_samples: Literal["shared", "fresh"] = Field(
+        "shared", description="The Solver's GRPO group for a new valid question: 'shared' = the paper's (Algorithm 1 "
+        "line 10): the n Solver rollouts that scored the Proposer (needs n = selfplay.solver_rollouts_train = "
+        "grpo.group_size); 'fresh' = G new rollouts in the Solver's stage. A question from the replay buffer always "
+        "gets G new ones.")
 
 
 class RunConfig(Section):

@@ -24,6 +24,7 @@ from scope_lib.selfplay.loop import run
 from scope_lib.selfplay.methods.ssp import (
     RAG_REJECTED,
     SspQuestion,
+    SspSolver,
     file_answers,
     refill_buffer,
     replay_period,
@@ -64,11 +65,10 @@ class SspEngine(ScriptedEngine):
     question and the others say they do not know (TRL and the loop put a question's rollouts side by side: n = 3
     Solver rollouts of a question solve it 1 time in 3, and each GRPO group of 2 has spread)."""
 
-    def __init__(self, tokenizer, *, questions=(0, 1, 2), crash=None):
+    def __init__(self, tokenizer, *, questions=(0, 1, 2)):
         super().__init__(tokenizer, DIALECT)
         self.questions = questions
         self.proposed = 0
-        self.crash = crash          # () -> bool: raise KeyboardInterrupt at a Solver call when true (a kill)
         self.proposer_calls = 0
 
     def generate(self, prompt_token_ids, sampling, adapter=None):
@@ -90,8 +90,6 @@ class SspEngine(ScriptedEngine):
             found = coded and "Doc 1" in documents
             return f"<think>From the documents.</think>\n<answer>{decode(coded.group(1)) if found else 'unknown'}</answer>"
         if user.startswith("Answer the question below"):
-            if self.crash is not None and self.crash():
-                raise KeyboardInterrupt("killed")
             if not self._searched(context):
                 return f"<think>I search first.</think>\n{DIALECT.format_search('passages I found')}"
             answer = decode(coded.group(1)) if coded and row % 3 == 0 else "I do not know"
@@ -114,7 +112,7 @@ class SspEngine(ScriptedEngine):
 
 
 SETTINGS = {"selfplay.iterations": 1, "selfplay.challenger_steps": 1, "selfplay.steps_per_role": 2,
-            "selfplay.solver_rollouts_train": 3, "challenger.batch_size": 4}
+            "selfplay.solver_rollouts_train": 3, "grpo.group_size": 3, "challenger.batch_size": 4}
 
 
 def ssp_params(tmp_path, data_dir, **overrides):
@@ -195,8 +193,13 @@ def test_ssp_runs_one_iteration_with_its_filters_verification_and_rewards(uninte
     summary = json.loads((folder / "challenger" / "DONE").read_text())
     assert (summary["attempts"], summary["valid"], summary["rag_checked"], summary["rag_passed"]) == (4, 2, 3, 2)
     assert summary["invalid_reasons"] == {"answer_in_question": 1, RAG_REJECTED: 1}
-    # Stage 2: the Solver on the two valid questions, r_solve = 1[correct] (eq. 6)
+    # Stage 2: the Solver on the two valid questions, r_solve = 1[correct] (eq. 6); its groups are the n = G = 3
+    # rollouts that scored the Proposer (ssp.solver_samples: shared, Algorithm 1 line 10)
     answers = read_jsonl(folder / "solver" / "rollouts.jsonl")
+    scored = {s["id"]: s for s in solver}
+    for a in answers:
+        assert a["sampled_as"].rsplit("/s", 1)[0] == a["task_id"] and a["answer"] == scored[a["sampled_as"]]["answer"]
+        assert a["sampled_as"].endswith(f"/s{a['id'].rsplit('/g', 1)[1]}")   # row j is the j-th of the n
     assert len(answers) == params.selfplay.steps_per_role * params.solver.batch_size * params.grpo.group_size
     assert {a["task_id"] for a in answers} == {p["id"] for p in by_reason[None]}
     assert all(a["reward"] == float(a["correct"]) and not a["from_buffer"] for a in answers)
@@ -223,13 +226,21 @@ def test_an_ssp_iteration_without_a_valid_question_says_so_and_goes_on(tmp_path,
 
 
 def test_a_solver_stage_killed_mid_way_resumes_with_nothing_duplicated(tmp_path, wiki_sample, tiny_model_dir,
-                                                                       retriever, uninterrupted):
+                                                                       retriever, uninterrupted, monkeypatch):
     clean_params, _ = uninterrupted
     params = ssp_params(tmp_path, wiki_sample.parent)
     metrics = params.run_dir / "iter_01" / "solver" / "metrics.jsonl"
-    with pytest.raises(KeyboardInterrupt):   # killed in the Solver stage's second step
-        run_ssp(params, tiny_model_dir, retriever, crash=lambda: metrics.is_file() and metrics.read_text().strip())
-    assert not (params.run_dir / "iter_01" / "solver" / "DONE").exists()
+    draw = SspSolver.draw_rollouts
+
+    def killed_in_the_second_step(self, session, trajectories, limits, step):
+        if metrics.is_file() and metrics.read_text().strip():
+            raise KeyboardInterrupt("killed")
+        return draw(self, session, trajectories, limits, step)
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):   # the Solver stage's step 2 rows
+        patch.setattr(SspSolver, "draw_rollouts", killed_in_the_second_step)
+        run_ssp(params, tiny_model_dir, retriever)
+    assert len(read_jsonl(metrics)) == 1 and not (params.run_dir / "iter_01" / "solver" / "DONE").exists()
     _, engine = run_ssp(params, tiny_model_dir, retriever)
     assert engine.proposer_calls == 0      # the finished Proposer stage is not redone
     mine, theirs = params.run_dir / "iter_01", clean_params.run_dir / "iter_01"
@@ -274,6 +285,7 @@ def test_a_second_iteration_fills_the_solvers_empty_slots_from_the_buffer_the_fi
                                                                    "buffer": 3}
     answers = read_jsonl(second / "rollouts.jsonl")
     assert {a["task_id"] for a in answers if a["from_buffer"]} == {q["id"] for q in stored}
+    assert all((a["sampled_as"] is None) == a["from_buffer"] for a in answers)   # the buffer's: rolled out anew
     assert {a["task_id"] for a in answers if not a["from_buffer"]}.isdisjoint({q["id"] for q in stored})
     assert [q["global_step"] for q in read_jsonl(second / "replay_buffer.jsonl")] == [1, 1, 2]
 
@@ -292,6 +304,16 @@ def test_the_answer_file_is_refused_when_it_is_or_copies_an_evaluation_set(tmp_p
     (tmp_path / "data" / "qa" / "mine.txt").write_text("\n".join(ANSWERS) + "\n")
     with pytest.raises(AnswerSetError, match="evaluation data"):
         file_answers(ssp_params(tmp_path, tmp_path / "data", **{"ssp.answer_file": "qa/mine.txt"}))
+
+
+def test_shared_solver_samples_need_n_equal_to_g(tmp_path, wiki_sample):
+    from scope_lib.config import ParamsError
+    from scope_lib.selfplay.methods.ssp import check_params
+
+    check_params(ssp_params(tmp_path, wiki_sample.parent))
+    with pytest.raises(ParamsError, match="ssp.solver_samples: fresh"):
+        check_params(ssp_params(tmp_path, wiki_sample.parent, **{"grpo.group_size": 2}))
+    check_params(ssp_params(tmp_path, wiki_sample.parent, **{"grpo.group_size": 2, "ssp.solver_samples": "fresh"}))
 
 
 def test_ssp_settings_stay_out_of_the_parameter_hash_at_their_defaults():

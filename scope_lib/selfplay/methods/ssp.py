@@ -24,11 +24,12 @@ results plus `ssp.noise_passages` of the others); each valid question gets n = `
 with search; r_propose = 1 - their success rate (eq. 7), 0 for an invalid question. Stage 2 (line 10) trains the
 Solver on Stage 1's valid questions, slots they leave empty filled from the replay buffer (App. B.1, "Periodic
 Reset": the buffer holds the valid questions of the Proposer's steps since the last reset, every
-`ssp.replay_reset_steps` steps), r_solve = 1[correct] (eq. 6).
+`ssp.replay_reset_steps` steps), r_solve = 1[correct] (eq. 6); a new question's group is the n rollouts that scored
+its Proposer (`ssp.solver_samples: shared`), a buffer question's G new ones.
 
 Where we differ from the paper (docs/methods.md, "SSP's loop"): the Proposer's REINFORCE subtracts the step's mean
-reward (eq. 5 has none); the Solver's reward comes from its own G rollouts in Stage 2, not from the n that scored the
-Proposer (the shared core trains one role per stage); the buffer refreshes once per iteration.
+reward (eq. 5 has none); the roles' updates are two stages, not one joint step (the shared core trains one role per
+stage), so the buffer refreshes once per iteration.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scope_lib.config import Params
+from scope_lib.config import Params, ParamsError
 from scope_lib.protocol import ssp
 from scope_lib.protocol.answer_set import (
     Answer,
@@ -65,7 +66,14 @@ from scope_lib.selfplay.harness import (
     stage_context,
     stage_seed,
 )
-from scope_lib.selfplay.rollout import RolloutLimits, Trajectory, apportion, new_trajectory, run_rollouts
+from scope_lib.selfplay.rollout import (
+    RolloutLimits,
+    RolloutStats,
+    Trajectory,
+    apportion,
+    new_trajectory,
+    run_rollouts,
+)
 from scope_lib.selfplay.tasks import challenger_limits, solver_limits
 from scope_lib.selfplay.training import (
     RoleSession,
@@ -105,6 +113,24 @@ class SspQuestion:
     answer: str
     iteration: int
     global_step: int
+
+
+@dataclass(frozen=True)
+class SolverTask:
+    """A question of the Solver's stage and, with `ssp.solver_samples: shared` for a question new this iteration, the
+    n Solver rollouts (trajectory records) that scored its Proposer: its GRPO group (Algorithm 1 line 10)."""
+
+    question: SspQuestion
+    rollouts: tuple[dict[str, Any], ...] = ()
+
+
+def check_params(params: Params) -> None:
+    """SSP's settings that must agree, checked before a stage runs."""
+    n, g = params.selfplay.solver_rollouts_train, params.grpo.group_size
+    if params.ssp.solver_samples == "shared" and n != g:
+        raise ParamsError(f"ssp.solver_samples: shared trains the Solver on the n rollouts that scored the Proposer as "
+                          f"its group of G (Algorithm 1 line 10), but selfplay.solver_rollouts_train (n) is {n} and "
+                          f"grpo.group_size (G) is {g}: make them equal, or set ssp.solver_samples: fresh")
 
 
 def proposer_prompts(answers: list[Answer], strata: list[int], seed: int, id_prefix: str) -> list[ProposerPrompt]:
@@ -403,7 +429,8 @@ class SspProposer:
 
 
 class SspSolver:
-    """Stage 2's rules: the Solver sees a valid question and searches; r_solve = 1[correct] (eq. 6)."""
+    """Stage 2's rules: the Solver sees a valid question and searches; r_solve = 1[correct] (eq. 6). With
+    `ssp.solver_samples: shared` a new question's rows are the n rollouts that scored its Proposer."""
 
     extra_records: tuple[str, ...] = ()
     searches = True
@@ -411,19 +438,38 @@ class SspSolver:
     def limits(self, params: Params) -> RolloutLimits:
         return solver_limits(params)
 
-    def new_trajectory(self, ctx: StageContext, item_id: str, item: SspQuestion, traj_id: str) -> Trajectory:
-        return solver_trajectory(ctx, traj_id, item.question, {"task_id": item_id})
+    def new_trajectory(self, ctx: StageContext, item_id: str, item: SolverTask, traj_id: str) -> Trajectory:
+        return solver_trajectory(ctx, traj_id, item.question.question, {"task_id": item_id})
+
+    def draw_rollouts(self, session: RoleSession, trajectories: list[Trajectory], limits: RolloutLimits, step: int
+                      ) -> tuple[list[Trajectory], RolloutStats]:
+        """Row j of a question with stored rollouts (its id ends in /g<j>) is the j-th of them, under the row's id
+        (`sampled_as` names it); the other rows (replay buffer questions, `fresh`) are rolled out now."""
+        ctx = session.ctx
+        fresh = [t for t in trajectories if not session.items[t.meta["task_id"]].rollouts]
+        stats = run_rollouts(fresh, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
+                             adapter=ctx.role) if fresh else RolloutStats()
+        out = []
+        for t in trajectories:
+            stored = session.items[t.meta["task_id"]].rollouts
+            if not stored:
+                out.append(t)
+                continue
+            sampled = Trajectory.from_record(stored[int(t.id.rsplit("/g", 1)[1]) % len(stored)])
+            out.append(dataclasses.replace(sampled, id=t.id, meta={**t.meta, "sampled_as": sampled.id}))
+        return out, stats
 
     def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
                 ) -> tuple[list[float | None], dict[str, Any]]:
         ctx = session.ctx
-        correct = {t.id: ssp.answer_correct(t.answer, session.items[t.meta["task_id"]].answer)
+        correct = {t.id: ssp.answer_correct(t.answer, session.items[t.meta["task_id"]].question.answer)
                    for t in trajectories if not never_ran(t)}
         values = [ssp.solver_reward(correct[t.id]) if t.id in correct else None for t in trajectories]
         session.unwritten["rollouts"] = [
             {"id": t.id, "iteration": ctx.iteration, "step": step + 1, "task_id": t.meta["task_id"], "reward": value,
-             "from_buffer": session.items[t.meta["task_id"]].iteration < ctx.iteration,
-             "answer": t.answer, "correct": correct.get(t.id), "trajectory": t.to_record()}
+             "from_buffer": session.items[t.meta["task_id"]].question.iteration < ctx.iteration,
+             "sampled_as": t.meta.get("sampled_as"), "answer": t.answer, "correct": correct.get(t.id),
+             "trajectory": t.to_record()}
             for t, value in zip(trajectories, values, strict=True)]
         return values, {**reward_stats(values), "pass_rate": mean_of(correct.values()) if correct else None,
                         "answer_rate": mean_of([t.answer is not None for t in trajectories])}
@@ -437,6 +483,7 @@ def train_proposer(r: SelfPlayRun, t: int) -> dict:
     stage = r.stage(t, "challenger")
     if stage.done:
         return stage.summary
+    check_params(r.params)
     answers, source = iteration_answers(r, t)
     if not answers:
         raise RuntimeError(f"iteration {t}: no answer for the Proposer ({source}): the corpus rule found none in these "
@@ -478,6 +525,16 @@ def new_questions(records, t: int, steps: int) -> list[SspQuestion]:
     return list(found.values())
 
 
+def solver_tasks(r: SelfPlayRun, t: int, questions: list[SspQuestion]) -> dict[str, SolverTask]:
+    """The Solver stage's rows by id; with `ssp.solver_samples: shared`, each question new this iteration carries
+    the n Solver rollouts that scored its Proposer (Stage 1's `solver_rollouts`, in their order)."""
+    stored: dict[str, list[dict[str, Any]]] = {}
+    if r.params.ssp.solver_samples == "shared":
+        for rec in r.stage(t, "challenger").records("solver_rollouts"):
+            stored.setdefault(rec["question_id"], []).append(rec["trajectory"])
+    return {q.id: SolverTask(q, tuple(stored.get(q.id, ())) if q.iteration == t else ()) for q in questions}
+
+
 def replay_buffer(r: SelfPlayRun, t: int) -> list[SspQuestion]:
     """The replay buffer iteration t left (its Solver stage's `replay_buffer.jsonl`); empty before iteration 1."""
     if t < 1:
@@ -493,6 +550,7 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
     stage = r.stage(t, "solver")
     if stage.done:
         return stage.summary
+    check_params(r.params)
     reset_stage(r, t, stage)
     steps = proposer_steps(r.params)
     now = t * steps  # the Proposer's last global step so far
@@ -513,9 +571,9 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
                            "weights (see the alarms)"}
         mark_done(stage, summary)
         return summary
-    result = train_role(stage_context(r, t, "solver", stage), {q.id: q for q in questions})
+    result = train_role(stage_context(r, t, "solver", stage), solver_tasks(r, t, questions))
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "questions": len(questions),
-               "replay": replay, "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
+               "replay": replay, "samples": r.params.ssp.solver_samples, "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
                "pass_rate": [m.get("pass_rate") for m in result.metrics]}
     mark_done(stage, summary, result.saved)
     return summary
