@@ -1,7 +1,8 @@
 """Search Self-Play as a method of the library (`selfplay.methods.ssp`, issue 48 item 4): one iteration end to end on
-the tiny model with real GRPO updates of one shared adapter and a scripted engine that plays SSP's protocol; the rule
-filters and RAG verification as the loop wires them, the rewards (eq. 6-7), the records and the alarm; the replay
-buffer's periodic reset; a Solver stage interrupted mid-way resumes with nothing duplicated."""
+the tiny model with real updates of one shared adapter (the Proposer's REINFORCE, the Solver's GRPO) and a scripted
+engine that plays SSP's protocol; the rule filters and RAG verification as the loop wires them, the rewards (eq. 6-7)
+and advantages, the records and the alarm; the replay buffer across iterations and its periodic reset; the answer
+file and its evaluation guard; a Solver stage interrupted mid-way resumes with nothing duplicated."""
 
 from __future__ import annotations
 
