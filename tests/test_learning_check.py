@@ -7,6 +7,7 @@ of the passages it retrieved (issue 47: what a Solver that learned to please a n
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -393,6 +394,11 @@ def test_the_verdict_rests_on_trained_minus_control():
     # the same trained run beside a control that did not move is learned; without a probe it is not shown
     flat = Comparison("base", "control", "score", ids, before, before, (0.0, 0.0))
     assert learning_verdict(trained, flat, grader, judge_free=judge_free_passing(ids)).learned
+    # a control whose mean moved by float rounding alone did not gain (not "1e17x the control's +0.000")
+    rounding = Comparison("base", "control", "score", ids, [0.3] * 48, [0.1 + 0.2] * 48, (0.0, 0.0))
+    assert 0 < rounding.gain < 1e-15
+    beside_rounding = learning_verdict(trained, rounding, grader, judge_free=judge_free_passing(ids))
+    assert beside_rounding.ratio == math.inf and "the control did not gain" in beside_rounding.reason
     assert learning_verdict(trained, flat, None, judge_free=judge_free_passing(ids)).outcome == "not shown"
 
 

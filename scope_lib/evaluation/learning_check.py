@@ -462,7 +462,8 @@ def _gain_verdict(trained: Comparison, control: Comparison | None, over: Compari
     gain = trained.gain
     ratio = None
     if control is not None and gain > 0:
-        ratio = gain / control.gain if control.gain > 0 else math.inf
+        # a control "gain" within float rounding of 0 (identical scores summed in another order) did not gain
+        ratio = gain / control.gain if control.gain > 1e-9 else math.inf
     common = {"gain": gain, "ci95": (lo, hi), "ratio": ratio,
               "control_gain": control.gain if control else None, "control_ci95": control.ci95 if control else None,
               "over_control": over.gain if over else None, "over_control_ci95": over.ci95 if over else None}
