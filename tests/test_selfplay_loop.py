@@ -412,3 +412,17 @@ def test_the_params_method_picks_a_registered_method_and_an_unknown_one_is_refus
     params.method = "nope"
     with pytest.raises(ParamsError, match="method: 'nope' .* choose one of scope, spice"):
         open_run(params)                                    # before anything loads
+
+
+def test_every_registered_method_has_rules_for_each_role_its_stages_train():
+    """A method's stages name the roles they train; `Method.role_rules` gives each one's rules, and a role the method
+    does not have is refused naming the ones it has."""
+    from scope_lib.selfplay.methods import METHODS
+
+    assert set(METHODS) == {"scope", "spice", "ssp", "score"}
+    for method in METHODS.values():
+        trained = {s.trains for s in method.stages if s.trains}
+        assert trained and trained == set(method.roles)
+        assert all(method.role_rules(role) is method.roles[role] for role in trained)
+        with pytest.raises(ValueError, match=f"{method.name.upper()} has no role 'nobody'; it trains "):
+            method.role_rules("nobody")

@@ -72,9 +72,11 @@ class StageSpec:
 
 class Method:
     """A self-play method over the shared harness: its name, its stages and its roles' rules. Subclasses fill
-    `name`, `stages` and `role_rules`; `selfplay.methods.METHODS` registers them by name (the params' `method`)."""
+    `name`, `stages` and `roles`; `selfplay.methods.METHODS` registers them by name (the params' `method`)."""
 
     name: str = ""
+    #: role name (`challenger`, `solver`, or the method's own) -> its rules.
+    roles: dict[str, RoleRules] = {}
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
@@ -83,7 +85,9 @@ class Method:
 
     def role_rules(self, role: str) -> RoleRules:
         """What `role` sees (its prompts), its rollout budgets, and how its rollouts are verified and rewarded."""
-        raise NotImplementedError
+        if role not in self.roles:
+            raise ValueError(f"{self.name.upper()} has no role {role!r}; it trains {', '.join(self.roles)}")
+        return self.roles[role]
 
 
 @dataclass

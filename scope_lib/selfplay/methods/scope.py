@@ -316,17 +316,12 @@ class Scope(Method):
     """SCOPE's three stages per iteration (Algorithm 1) and its two roles' rules."""
 
     name = "scope"
-    _rules = {"challenger": ScopeChallenger(), "solver": ScopeSolver()}
+    roles = {"challenger": ScopeChallenger(), "solver": ScopeSolver()}
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
         return (StageSpec("challenger", train_challenger, trains="challenger"), StageSpec("pool", build_pool),
                 StageSpec("solver", train_solver, trains="solver"))
-
-    def role_rules(self, role: str):
-        if role not in self._rules:
-            raise ValueError(f"SCOPE has no role {role!r}; it trains {', '.join(self._rules)}")
-        return self._rules[role]
 
 
 SCOPE = Scope()

@@ -490,17 +490,12 @@ class Score(Method):
     """SCORE's four stages per step and its two trained roles' rules (the Evaluator trains as `challenger`)."""
 
     name = "score"
-    _rules = {EVALUATOR: ScoreEvaluator(), "solver": ScoreSolver()}
+    roles = {EVALUATOR: ScoreEvaluator(), "solver": ScoreSolver()}
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
         return (StageSpec("rubric", sample_rubrics), StageSpec("solver", train_solver, trains="solver"),
                 StageSpec("evaluator", train_evaluator, trains=EVALUATOR), StageSpec("harness", refresh_harness))
-
-    def role_rules(self, role: str):
-        if role not in self._rules:
-            raise ValueError(f"SCORE has no role {role!r}; it trains {', '.join(self._rules)}")
-        return self._rules[role]
 
 
 SCORE = Score()

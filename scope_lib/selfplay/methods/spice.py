@@ -413,17 +413,12 @@ class Spice(Method):
     """SPICE's two stages per iteration and its two roles' rules (the Reasoner trains as the `solver` role)."""
 
     name = "spice"
-    _rules = {"challenger": SpiceChallenger(), "solver": SpiceReasoner()}
+    roles = {"challenger": SpiceChallenger(), "solver": SpiceReasoner()}
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
         return (StageSpec("challenger", train_challenger, trains="challenger"),
                 StageSpec("solver", train_reasoner, trains="solver"))
-
-    def role_rules(self, role: str):
-        if role not in self._rules:
-            raise ValueError(f"SPICE has no role {role!r}; it trains {', '.join(self._rules)}")
-        return self._rules[role]
 
 
 SPICE = Spice()

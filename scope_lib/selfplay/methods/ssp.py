@@ -583,17 +583,12 @@ class Ssp(Method):
     """SSP's two stages per iteration and its two roles' rules (the Proposer trains as the `challenger` role)."""
 
     name = "ssp"
-    _rules = {"challenger": SspProposer(), "solver": SspSolver()}
+    roles = {"challenger": SspProposer(), "solver": SspSolver()}
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
         return (StageSpec("challenger", train_proposer, trains="challenger"),
                 StageSpec("solver", train_solver, trains="solver"))
-
-    def role_rules(self, role: str):
-        if role not in self._rules:
-            raise ValueError(f"SSP has no role {role!r}; it trains {', '.join(self._rules)}")
-        return self._rules[role]
 
 
 SSP = Ssp()
