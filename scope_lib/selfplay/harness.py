@@ -166,3 +166,14 @@ def restart_or_resume(r: SelfPlayRun, t: int, stage) -> None:
                     "the stage restarts from its first step (set run.checkpoint_steps to resume mid-stage)", t,
                     stage.path.name, finished)
     stage.reset()
+
+
+def trained_summary(result, *per_step: str, **extra) -> dict:
+    """A training stage's DONE summary: its steps, seconds, saved folder and per-step `reward`, each name of
+    `per_step` as its per-step list from the stage's metrics, then the method's `extra` counts."""
+    summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "saved": result.saved.name,
+               "reward": [m.get("reward") for m in result.metrics]}
+    summary.update({name: [m.get(name) for m in result.metrics] for name in per_step})
+    summary.update(extra)
+    return summary
+

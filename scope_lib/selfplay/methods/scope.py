@@ -36,6 +36,7 @@ from scope_lib.selfplay.harness import (
     reset_stage,
     stage_context,
     stage_seed,
+    trained_summary,
 )
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
@@ -88,9 +89,7 @@ def train_challenger(r: SelfPlayRun, t: int) -> dict:
                                       tokenizer=r.policy.tokenizer, document_max_tokens=sp.document_max_tokens,
                                       id_prefix=f"i{t:02d}-c")
     result = train_role(stage_context(r, t, "challenger", stage), {p.id: p for p in prompts})
-    summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
-               "documents": [start, start + len(documents)], "saved": result.saved.name,
-               "reward": [m.get("reward") for m in result.metrics]}
+    summary = trained_summary(result, documents=[start, start + len(documents)])
     mark_done(stage, summary, result.saved)
     return summary
 
@@ -203,9 +202,7 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
         mark_done(stage, summary)
         return summary
     result = train_role(stage_context(r, t, "solver", stage), pool)
-    summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "tasks": len(pool),
-               "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
-               "rubric_score": [m.get("rubric_score") for m in result.metrics]}
+    summary = trained_summary(result, "rubric_score", tasks=len(pool))
     mark_done(stage, summary, result.saved)
     return summary
 

@@ -44,6 +44,7 @@ from scope_lib.selfplay.harness import (
     reset_stage,
     stage_context,
     stage_seed,
+    trained_summary,
 )
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
@@ -401,10 +402,7 @@ def train_reasoner(r: SelfPlayRun, t: int) -> dict:
         mark_done(stage, summary)
         return summary
     result = train_role(stage_context(r, t, "solver", stage), tasks)
-    summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "tasks": len(tasks),
-               "samples": r.params.spice.reasoner_samples, "saved": result.saved.name,
-               "reward": [m.get("reward") for m in result.metrics],
-               "pass_rate": [m.get("pass_rate") for m in result.metrics]}
+    summary = trained_summary(result, "pass_rate", tasks=len(tasks), samples=r.params.spice.reasoner_samples)
     mark_done(stage, summary, result.saved)
     return summary
 

@@ -65,6 +65,7 @@ from scope_lib.selfplay.harness import (
     reset_stage,
     stage_context,
     stage_seed,
+    trained_summary,
 )
 from scope_lib.selfplay.rollout import (
     RolloutLimits,
@@ -572,9 +573,8 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
         mark_done(stage, summary)
         return summary
     result = train_role(stage_context(r, t, "solver", stage), solver_tasks(r, t, questions))
-    summary = {"steps": result.steps, "seconds": round(result.seconds, 2), "questions": len(questions),
-               "replay": replay, "samples": r.params.ssp.solver_samples, "saved": result.saved.name, "reward": [m.get("reward") for m in result.metrics],
-               "pass_rate": [m.get("pass_rate") for m in result.metrics]}
+    summary = trained_summary(result, "pass_rate", questions=len(questions), replay=replay,
+                              samples=r.params.ssp.solver_samples)
     mark_done(stage, summary, result.saved)
     return summary
 
