@@ -799,6 +799,12 @@ class SspConfig(Section):
         "line 10): the n Solver rollouts that scored the Proposer (needs n = selfplay.solver_rollouts_train = "
         "grpo.group_size); 'fresh' = G new rollouts in the Solver's stage. A question from the replay buffer always "
         "gets G new ones.")
+    answer_check: Literal["judge", "rule"] = Field(
+        "judge", description="How r(a, a*) decides a Solver's answer (the n rollouts that score the Proposer, RAG "
+        "verification, the Solver's r_solve): 'judge' = the paper's LLM-as-a-judge (§3.2, App. E: 'Correct' or "
+        "'Wrong') on the Judge's grader model (`judge.grader_model`, else M0), one call per batch; 'rule' = "
+        "normalised match or containment (`protocol.ssp.answer_correct`), for a model that cannot judge. An "
+        "unparseable verdict and an empty answer are wrong.")
 
 
 class RunConfig(Section):

@@ -2,7 +2,9 @@
 the tiny model with real updates of one shared adapter (the Proposer's REINFORCE, the Solver's GRPO) and a scripted
 engine that plays SSP's protocol; the rule filters and RAG verification as the loop wires them, the rewards (eq. 6-7)
 and advantages, the records and the alarm; the replay buffer across iterations and its periodic reset; the answer
-file and its evaluation guard; a Solver stage interrupted mid-way resumes with nothing duplicated."""
+file and its evaluation guard; a Solver stage interrupted mid-way resumes with nothing duplicated; the answer check
+(`ssp.answer_check`): the Correct/Wrong parser, the batch's verdicts by judge or rule, and an iteration whose rewards
+follow a scripted LLM judge (App. E) where the rule would differ."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from scripted_engine import ScriptedEngine
 from training_helpers import FAST, REPO, comparable, load_policy
 
 from scope_lib.config import load_params
+from scope_lib.protocol import ssp
 from scope_lib.protocol.answer_set import AnswerSetError
 from scope_lib.protocol.dialects import get_dialect
+from scope_lib.protocol.parsing import parse_correct_wrong
 from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.runs import read_jsonl
 from scope_lib.selfplay.judge import Judge
@@ -26,6 +30,8 @@ from scope_lib.selfplay.methods.ssp import (
     RAG_REJECTED,
     SspQuestion,
     SspSolver,
+    Verdict,
+    check_answers,
     file_answers,
     refill_buffer,
     replay_period,
@@ -322,6 +328,11 @@ def test_ssp_settings_stay_out_of_the_parameter_hash_at_their_defaults():
 
     assert "ssp" not in yaml.safe_load(science_yaml(load_params(None)))
     assert yaml.safe_load(science_yaml(load_params(None, {"ssp.noise_passages": 7})))["ssp"]["noise_passages"] == 7
+    # the answer check: an SSP run by rule hashes as every SSP run did before the option; by the judge apart
+    ruled = load_params(REPO / "params" / "ssp-smoke.yaml")
+    assert ruled.ssp.answer_check == "rule" and "ssp" not in yaml.safe_load(science_yaml(ruled))
+    judged = load_params(REPO / "params" / "ssp-smoke.yaml", {"ssp.answer_check": "judge"})
+    assert yaml.safe_load(science_yaml(judged))["ssp"]["answer_check"] == "judge"
 
 
 def question(id: str, step: int, text: str | None = None, iteration: int = 1) -> SspQuestion:
@@ -362,3 +373,112 @@ def test_scope_plan_estimates_ssp_at_the_papers_settings_with_one_adapter():
     second = {r.item: r.gib for r in two.rows}["frozen second adapter (fp32)"]
     assert second == pytest.approx(rows["trained adapter + gradient + AdamW (fp32)"] / 4)   # 4 B of the 16 B
     assert report.fits and "12288 tokens" in " ".join(r.note for r in report.rows)   # 4,096 prompt + 8,192 reply
+
+
+# -- the answer check (ssp.answer_check; §3.2, App. E) ----------------------------------------------------------------
+
+
+def test_the_judges_correct_or_wrong_is_read_and_anything_else_is_none():
+    assert [parse_correct_wrong(t) for t in ("Correct", "Wrong", "correct.", " **WRONG** ", '"Correct"')] == [
+        1, 0, 1, 0, 1]
+    assert parse_correct_wrong("<think>It names the same city.</think>\nCorrect") == 1
+    for garbage in ("The answer is correct.", "Correct or Wrong", "Correctly", "", "<think>Correct", None, 1):
+        assert parse_correct_wrong(garbage) is None, garbage
+
+
+def plain(text: str) -> str:
+    """The scripted judge's own normalisation: lower case, letters and digits only, single spaces."""
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", text.lower()).split())
+
+
+class AnswerJudge(ScriptedEngine):
+    """An LLM judge that follows App. E's protocol: Correct when the predicted answer equals the ground truth after its
+    own normalisation (`plain`), Wrong otherwise, and a reply that is neither when the prediction says it does not know
+    (the retry gets the same). Counts its calls and batch sizes."""
+
+    def generate(self, prompt_token_ids, sampling, adapter=None):
+        self.calls += 1
+        self.batch_sizes.append(len(prompt_token_ids))
+        return [self._complete(self.verdict(first_user(self.tokenizer.decode(ids))), sampling)
+                for ids in prompt_token_ids]
+
+    @staticmethod
+    def verdict(user: str) -> str:
+        assert user.startswith("You are a judge of answers"), user[:80]
+        reference = re.search(r"\nGround-truth answer: (.*)\n", user).group(1)
+        prediction = re.search(r"\nPredicted answer: (.*)\n", user).group(1)
+        if "not know" in prediction:
+            return "I cannot tell."
+        return "Correct" if plain(prediction) == plain(reference) else "Wrong"
+
+
+def test_a_batch_is_checked_by_the_judge_in_one_call_or_by_the_rule(tmp_path, wiki_sample, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    judged = ssp_params(tmp_path, wiki_sample.parent, **{"ssp.answer_check": "judge"})
+    engine = AnswerJudge(tokenizer, DIALECT)
+    judge = Judge(engine, judged.judge, seed=0)
+    predictions = ["Amber Valley Railway", "It is the Amber Valley Railway, I am sure", None, "  ", "I do not know",
+                   "amber valley railway!"]
+    questions, answers = ["Which railway runs through the valley?"] * 6, ["Amber Valley Railway"] * 6
+    verdicts = check_answers(SimpleNamespace(params=judged, judge=judge), questions, predictions, answers)
+    assert verdicts == [Verdict(True, "judge"), Verdict(False, "judge"), Verdict(False, "no_answer"),
+                        Verdict(False, "no_answer"), Verdict(False, "judge_unparseable"), Verdict(True, "judge")]
+    assert engine.batch_sizes == [4, 1]          # the 4 answers in one call, then the unparseable one asked again
+    stats = judge.stats.stage("answer_match")
+    assert (stats.prompts, stats.calls, stats.retried, stats.unparseable) == (4, 2, 1, 1)
+    ruled = ssp_params(tmp_path, wiki_sample.parent, **{"ssp.answer_check": "rule"})
+    assert check_answers(SimpleNamespace(params=ruled, judge=judge), questions, predictions, answers) == [
+        Verdict(c, "rule") for c in (True, True, False, False, False, True)]   # containment: the rule disagrees
+    assert engine.calls == 2                     # the rule asks no judge
+
+
+class HedgingSspEngine(SspEngine):
+    """SSP's scripted protocol, but the Solver's second row of three hedges: "It is <answer> for sure", which the rule
+    counts (it holds the answer) and the scripted judge does not (`AnswerJudge`)."""
+
+    def write(self, context: str, row: int) -> str:
+        text = super().write(context, row)
+        coded = re.search(r"\[code: (.+?)\]", context)
+        if first_user(context).startswith("Answer the question below") and "<answer>" in text and row % 3 == 1:
+            return f"<think>I have read the results.</think>\n<answer>It is {decode(coded.group(1))} for sure</answer>"
+        return text
+
+
+def test_ssp_rewards_follow_the_judges_verdicts_in_one_call_per_batch(tmp_path, wiki_sample, tiny_model_dir,
+                                                                      retriever):
+    params = ssp_params(tmp_path, wiki_sample.parent, **{"ssp.answer_check": "judge", "selfplay.steps_per_role": 1})
+    policy = load_policy(params, tiny_model_dir)
+    engine, judge_engine = HedgingSspEngine(policy.tokenizer), AnswerJudge(policy.tokenizer, DIALECT)
+    judge = Judge(engine, params.judge, seed=0, grader_engine=judge_engine)
+    run(params, policy=policy, engine=engine, judge=judge, retriever=retriever)
+    folder = params.run_dir / "iter_01"
+    proposals = read_jsonl(folder / "challenger" / "rollouts.jsonl")
+    valid = [p for p in proposals if p["valid"]]
+    assert len(valid) == 2 and all(p["solved"] == [True, False, False] for p in valid)   # the rule: [T, T, F]
+    assert all(p["reward"] == pytest.approx(2 / 3) for p in valid)
+    rag = read_jsonl(folder / "challenger" / "rag_rollouts.jsonl")
+    assert {r["answer_check"] for r in rag} == {"judge"} and sorted(r["correct"] for r in rag) == [False, True, True]
+    solver = read_jsonl(folder / "challenger" / "solver_rollouts.jsonl")
+    assert [s["answer_check"] for s in solver].count("judge_unparseable") == 2
+    stage1 = read_jsonl(folder / "challenger" / "metrics.jsonl")[0]
+    assert stage1["answers_unparseable"] == 2
+    assert json.loads((folder / "challenger" / "DONE").read_text())["answer_checks"] == {"judge": 7,
+                                                                                       "judge_unparseable": 2}
+    answers = read_jsonl(folder / "solver" / "rollouts.jsonl")
+    gold = {p["id"]: p["answer"] for p in valid}
+    hedged = [a for a in answers if a["answer"].startswith("It is ")]
+    assert hedged and all(ssp.answer_correct(a["answer"], gold[a["task_id"]]) for a in hedged)   # the rule: right
+    for a in answers:      # r_solve follows the judge: Correct only for the exact answer; unparseable scores 0
+        exact = a["answer"] == gold[a["task_id"]]
+        assert (a["reward"], a["correct"]) == (float(exact), exact)
+        assert a["answer_check"] == ("judge_unparseable" if "not know" in a["answer"] else "judge")
+    unknown = sum("not know" in a["answer"] for a in answers)
+    assert unknown and read_jsonl(folder / "solver" / "metrics.jsonl")[0]["answers_unparseable"] == unknown
+    # one judge call per batch (RAG verification, the n Solver rollouts, the Solver stage's step), each followed by
+    # one retry call for its unparseable replies only
+    assert judge_engine.batch_sizes == [3, 6, 2, len(answers), unknown]
+    assert judge.stats.stage("answer_match").unparseable == 2 + unknown

@@ -30,7 +30,8 @@ from typing import Any
 
 __all__ = [
     "PRIORITIES", "DEFAULT_PRIORITY", "Rubric", "extract_task", "extract_answer", "parse_rubrics",
-    "parse_score", "strip_think", "count_think_blocks", "has_think", "starts_with_think", "ends_in_think",
+    "parse_score", "parse_correct_wrong", "strip_think", "count_think_blocks", "has_think", "starts_with_think",
+    "ends_in_think",
 ]
 
 THINK_OPEN = "<think>"
@@ -229,6 +230,16 @@ def parse_score(text: Any, *, starts_in_think: bool = False) -> int | None:
         return None
     match = _SCORE_BODY.fullmatch(scores[-1][1])
     return int(match.group(1)) if match else None
+
+
+def parse_correct_wrong(text: Any, *, starts_in_think: bool = False) -> int | None:
+    """An answer judge's verdict (Search Self-Play's LLM-as-a-judge, App. E: only "Correct" or "Wrong"): 1 for
+    Correct, 0 for Wrong, in any letter case, the visible reply being that one word alone (spaces, quotes, backticks,
+    asterisks and a full stop around it allowed); anything else, or nothing outside thinking, is None."""
+    if not isinstance(text, str):
+        return None
+    word = strip_think(text, starts_in_think=starts_in_think).strip().strip("\"'`*.").strip().lower()
+    return {"correct": 1, "wrong": 0}.get(word)
 
 
 def last_json_object(text: str) -> dict | None:

@@ -103,7 +103,7 @@ TEMPLATE_NAMES: tuple[str, ...] = (
 METHOD_TEMPLATE_NAMES: tuple[str, ...] = (
     "spice_challenger", "spice_format_multiple_choice", "spice_format_free_form", "spice_reasoner",
     "spice_format_choice",
-    "ssp_proposer", "ssp_solver", "ssp_rag_solver",
+    "ssp_proposer", "ssp_solver", "ssp_rag_solver", "ssp_judge", "ssp_judge_retry",
     "score_solver", "score_rubric", "score_evaluator", "score_meta_harness",
 )
 
@@ -271,7 +271,8 @@ def rubric_prompt(task_type: str, task: str, documents: list[str], variant: str 
 
 def judge_retry(prompt: str, stage: str) -> str:
     """`prompt` with the corrective instruction for a reply that did not parse: only the required tag."""
-    name = {"rubrics": "judge_retry_rubrics", "answerability": "judge_retry_answer"}.get(stage, "judge_retry_score")
+    name = {"rubrics": "judge_retry_rubrics", "answerability": "judge_retry_answer",
+            "answer_match": "ssp_judge_retry"}.get(stage, "judge_retry_score")
     return f"{_text('prompt', prompt)}\n\n{_render(name)}"
 
 

@@ -10,12 +10,14 @@ right (eq. 3, §4.4). The Solver is a Search-R1-style agent (<think>, a search, 
     reason = filter_question(question, answer, n_valid_searches)     # None, or one of FILTER_REASONS
     passages = rag_passages(batch_passages, i, seed=seed)            # own retrieved + 4 noise, shuffled
     rag_solver_prompt(question, passages)                            # the verification's prompt
-    solved = [answer_correct(extract_answer(r), answer) for r in solver_replies]
+    solved = [answer_correct(extract_answer(r), answer) for r in solver_replies]   # by rule, or:
+    judge_prompt(question, prediction, answer)                       # the LLM judge's prompt: Correct or Wrong
     proposer_reward(solved, valid)                                   # eq. 7: 1 − mean success; 0 when invalid
     solver_reward(solved[j])                                         # eq. 6: 1[a = a*]
 
-The paper judges a = a* with an LLM ("Correct"/"Wrong", App. E); `answer_correct` is the rule in its place (the
-loop may call the configured judge instead).
+r(a, a*) is the paper's LLM-as-a-judge (§3.2, App. E: "Correct" or "Wrong", `judge_prompt`, read by
+`parsing.parse_correct_wrong`) or `answer_correct`, a rule; `ssp.answer_check` chooses (the judge by default), and
+the loop (`selfplay.methods.ssp.check_answers`) asks the Judge's grader model for a batch's verdicts in one call.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from scope_lib.protocol.rewards import difficulty_reward
 __all__ = [
     "FILTER_REASONS", "MIN_QUESTION_WORDS", "NOISE_PASSAGES", "CONTAINMENT_MAX_WORDS", "extract_question",
     "filter_question", "answer_correct", "proposer_reward", "solver_reward", "rag_passages", "proposer_prompt",
-    "solver_prompt", "rag_solver_prompt",
+    "solver_prompt", "rag_solver_prompt", "judge_prompt",
 ]
 
 #: Why a Proposer's question is dropped by rule (§3.3's list, with the format check first), in the order checked.
@@ -210,3 +212,14 @@ def rag_solver_prompt(question: str, passages: Sequence[str]) -> str:
     if isinstance(passages, str):
         raise ValueError("passages must be a list of texts, not one text")
     return render_template("ssp_rag_solver", question=question, documents=format_documents(list(passages)))
+
+
+def judge_prompt(question: str, prediction: str, reference: str) -> str:
+    """The LLM judge's prompt for r(a, a*) (§3.2, App. E): the question, the ground-truth answer a* and the predicted
+    answer a; equal in meaning (a prediction that holds a* and nothing conflicting counts), replied with only Correct
+    or Wrong (`parsing.parse_correct_wrong`)."""
+    for name, value in (("question", question), ("prediction", prediction), ("reference", reference)):
+        if not isinstance(value, str):
+            raise ValueError(f"the SSP judge's {name} must be a string, got {type(value).__name__}")
+    return render_template("ssp_judge", question=question.strip(), prediction=prediction.strip(),
+                           reference=reference.strip())

@@ -9,6 +9,9 @@ The `answerability` gate (an option: Search Self-Play's RAG check) is a fourth c
 after the rubrics exist: `answer` writes one no-search answer per task, which `grade` then scores against the
 task's rubrics (`scope_lib.selfplay.tasks.answerability_check`).
 
+`answers_match` is Search Self-Play's LLM-as-a-judge (App. E): one Correct/Wrong per (question, predicted answer,
+ground truth), all in one call on the grader's model (`ssp.answer_check: judge`).
+
 `judge.gates_by` (an option) decides the two prompt gates by word rules instead (`protocol.gate_rules`), or by the
 rules first and the Judge only for the tasks they pass (`rules_then_judge`: fewer gate prompts).
 
@@ -28,7 +31,7 @@ from typing import Any, TypeVar
 
 from scope_lib.config import JudgeConfig, Params
 from scope_lib.models.engine import Engine, Sampling
-from scope_lib.protocol import parsing, prompts
+from scope_lib.protocol import parsing, prompts, ssp
 from scope_lib.protocol.dialects import thinks_natively
 from scope_lib.protocol.gate_rules import rule_verdicts
 from scope_lib.protocol.parsing import Rubric
@@ -40,6 +43,8 @@ T = TypeVar("T")
 STAGES: tuple[str, ...] = ("gates", "rubrics", "grading")
 #: The gate that is not one prompt per task but an answer graded on the rubrics (Judge.answer + Judge.grade).
 ANSWERABILITY = "answerability"
+#: Search Self-Play's answer check (Judge.answers_match), a call on the grader's model.
+ANSWER_MATCH = "answer_match"
 #: Gate reply budgets when `judge.gate_max_tokens` is None (the authors' settings).
 GATE_TOKENS_THINKING, GATE_TOKENS_PLAIN = 1024, 256
 
@@ -188,6 +193,15 @@ class Judge:
                                   "</answer>")
         return self._run(ANSWERABILITY, texts, sampling, parsing.extract_answer)
 
+    def answers_match(self, questions: list[str], predictions: list[str], references: list[str]
+                      ) -> list[int | None]:
+        """Search Self-Play's r(a, a*) by the LLM judge (§3.2, App. E): 1 (Correct) or 0 (Wrong) per (question,
+        predicted answer, ground-truth answer), all in one call on the grader's model at its temperature and budget
+        (None = unparseable after the retries, counted in the `answer_match` stage's stats)."""
+        texts = [ssp.judge_prompt(q, p, r) for q, p, r in zip(questions, predictions, references, strict=True)]
+        sampling = self._sampling(ANSWER_MATCH, self.cfg.grading_max_tokens, self.cfg.grading_temperature, None)
+        return self._run(ANSWER_MATCH, texts, sampling, parsing.parse_correct_wrong)
+
     def rubric_weights(self, rubrics: list[Rubric]) -> list[float] | None:
         """w_k of eq. 1: None (uniform, the paper) or by priority."""
         if self.cfg.rubric_weights == "uniform":
@@ -195,9 +209,9 @@ class Judge:
         return [self.cfg.priority_weights.get(r.priority, 1.0) for r in rubrics]
 
     # -- machinery ---------------------------------------------------------------------------------
-    def _sampling(self, stage: str, max_tokens: int, temperature: float, stop: str) -> Sampling:
+    def _sampling(self, stage: str, max_tokens: int, temperature: float, stop: str | None) -> Sampling:
         # A thinking model may write the closing tag inside its thinking: let it finish instead.
-        stops = () if self.thinking[_model_stage(stage)] else (stop,)
+        stops = () if self.thinking[_model_stage(stage)] or stop is None else (stop,)
         return Sampling(max_new_tokens=max_tokens, temperature=temperature, stop=stops, logprobs=False)
 
     def _seeded(self, sampling: Sampling, stage: str, texts: list[str]) -> Sampling:
@@ -257,8 +271,8 @@ def combine_gates(gates_by: str, rules: dict[str, int], judged: dict[str, int | 
 
 def _model_stage(stage: str) -> str:
     """The stage whose model (engine, thinking) serves a call: the answerability gate's answers come from the
-    gate model."""
-    return "gates" if stage == ANSWERABILITY else stage
+    gate model, Search Self-Play's answer checks from the grader's."""
+    return {ANSWERABILITY: "gates", ANSWER_MATCH: "grading"}.get(stage, stage)
 
 
 def judge_models(params: Params) -> dict[str, str]:

@@ -165,7 +165,7 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
     count: a finished run continues with more). Options added after runs existed are left out at their default
     (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `method:
-    scope`, `model.shared_policy: false`, `spice` and `ssp` at their defaults, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
+    scope`, `model.shared_policy: false`, `spice` and `ssp` at their defaults, `ssp.answer_check: rule` in an SSP run, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
     left the hash, for runs started then."""
     import yaml
 
@@ -188,7 +188,10 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
         science["model"].pop("shared_policy")
     if params.spice == SpiceConfig():
         science.pop("spice")
-    if params.ssp == SspConfig():
+    if params.ssp.answer_check == "rule":   # how every SSP run was checked before the option existed
+        science["ssp"].pop("answer_check")
+    if params.ssp == SspConfig(answer_check=params.ssp.answer_check) and (
+            params.ssp.answer_check == "rule" or params.method != "ssp"):
         science.pop("ssp")
     if params.learning_check.held_out_documents:
         science["learning_check"] = {"held_out_documents": params.learning_check.held_out_documents}

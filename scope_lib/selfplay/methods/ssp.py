@@ -3,8 +3,9 @@ plays both roles (use `model.shared_policy: true`): the Proposer is given a grou
 several turns and writes a question between <question> tags; the Solver, a Search-R1-style agent, searches and
 answers between <answer> tags. A question counts only if it passes the rule filters and RAG verification: the Solver
 without search, given the Proposer's retrieved results plus noise results of other trajectories of the batch, must
-answer it correctly (§3.2 eq. 3, §3.3, Algorithm 1 line 4; `protocol.ssp`). Answers are checked by rule
-(`ssp.answer_correct`); the paper's LLM judge is not wired in. No Judge.
+answer it correctly (§3.2 eq. 3, §3.3, Algorithm 1 line 4; `protocol.ssp`). Answers are checked as
+`ssp.answer_check` says (`check_answers`): by the paper's LLM judge (App. E, Correct or Wrong; the Judge's grader
+model, one call per batch), or by rule (`protocol.ssp.answer_correct`). The Judge's other stages are not used.
 
     SSP.stages             # `challenger` (the Proposer: REINFORCE on r_propose), `solver` (the Solver: GRPO on r_solve)
 
@@ -13,6 +14,8 @@ runs/<name>/iter_NN/challenger/  rollouts (every proposal: its answer, question,
                                  solver_rollouts (the n Solver answers that scored it), metrics, adapter, DONE
 runs/<name>/iter_NN/solver/      replay_buffer (the valid questions kept for the next iteration), rollouts (the
                                  Solver's answers, correct, r_solve), metrics, adapter, DONE
+Every checked answer's record names the check that decided it (`answer_check`: one of ANSWER_CHECKS), and each
+step's metrics count the judge's unparseable verdicts (`answers_unparseable`).
 
 Stage 1 (Algorithm 1 lines 2-9): `selfplay.challenger_prompts` answers from the iteration's documents
 (`answer_set.corpus_answers`) or from `ssp.answer_file` (`answer_set.read_answer_file`, never an evaluation set), each
@@ -90,6 +93,37 @@ from scope_lib.selfplay.training import (
 REPLAY_RESET_STEPS = 10
 #: Why a proposal that passed the rule filters is invalid: the RAG Solver did not answer it correctly (eq. 3).
 RAG_REJECTED = "rag_rejected"
+#: What decided an answer (`Verdict.check`): the rule, the judge, the judge's unparseable reply (wrong), or no answer
+#: to judge (wrong, no judge call).
+ANSWER_CHECKS: tuple[str, ...] = ("rule", "judge", "judge_unparseable", "no_answer")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """r(a, a*) for one answer and the check that decided it (one of ANSWER_CHECKS)."""
+
+    correct: bool
+    check: str
+
+
+def check_answers(ctx: StageContext, questions: list[str], predictions: list[str | None], answers: list[str]
+                  ) -> list[Verdict]:
+    """r(a, a*) for a batch of Solver answers as `ssp.answer_check` says (eq. 6's 1[a = a*], eq. 3's check): the
+    paper's LLM judge (§3.2, App. E) in one call for every answer of the batch (an empty or missing answer is wrong
+    without asking; an unparseable verdict is wrong), or the rule (`protocol.ssp.answer_correct`)."""
+    if ctx.params.ssp.answer_check == "rule":
+        return [Verdict(ssp.answer_correct(p, a), "rule") for p, a in zip(predictions, answers, strict=True)]
+    asked = [i for i, p in enumerate(predictions) if isinstance(p, str) and p.strip()]
+    judged = dict(zip(asked, ctx.judge.answers_match([questions[i] for i in asked], [predictions[i] for i in asked],
+                                                     [answers[i] for i in asked]), strict=True))
+    return [Verdict(False, "no_answer") if i not in judged else
+            Verdict(False, "judge_unparseable") if judged[i] is None else Verdict(judged[i] == 1, "judge")
+            for i in range(len(predictions))]
+
+
+def unparseable(checks) -> int:
+    """How many answers of these `Verdict.check`s the judge's unparseable reply decided."""
+    return sum(check == "judge_unparseable" for check in checks)
 
 
 @dataclass(frozen=True)
@@ -358,9 +392,11 @@ class SspProposer:
             limits.seed = _solver_seed(ctx, step, 500)
             stats = run_rollouts(solvers, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                                  adapter=ctx.solver_adapter)
-        for p in proposals:
-            for s in p.solvers:
-                s.meta["correct"] = ssp.answer_correct(s.answer, p.answer)
+        pairs = [(p, s) for p in proposals for s in p.solvers]
+        verdicts = check_answers(ctx, [p.question for p, _ in pairs], [s.answer for _, s in pairs],
+                                 [p.answer for p, _ in pairs])
+        for (_, s), v in zip(pairs, verdicts, strict=True):
+            s.meta["correct"], s.meta["answer_check"] = v.correct, v.check
         rewards = [p.reward for p in proposals]
         baseline = batch_baseline(rewards)
         advantages = [None if r is None else r - baseline for r in rewards]
@@ -376,6 +412,8 @@ class SspProposer:
             "solver_success": mean_of(rates) if rates else None,
             "zero_spread_tasks": mean_of([r in (0.0, 1.0) for r in rates]) if rates else None,
             "rag_rollouts": len(checked), "solver_rollouts": len(solvers),
+            "answers_unparseable": unparseable(t.meta["answer_check"] for p in proposals
+                                               for t in [p.rag, *p.solvers] if t is not None),
             "solver_rollout_s": (stats.total_s if stats else 0.0) + rag_s,
             "solver_stops_in_thinking": stats.stops_in_thinking if stats else 0}
 
@@ -383,7 +421,7 @@ class SspProposer:
     def _verify(ctx: StageContext, proposals: list[Proposal], step: int) -> float:
         """RAG verification (eq. 3) of every proposal that passed the rule filters, in place: one no-search Solver
         answer from its own retrieved results plus noise results of the batch's other rollouts (`ssp.rag_passages`),
-        checked against its answer. Returns the seconds it took."""
+        checked against its answer (`check_answers`, one call for the step). Returns the seconds it took."""
         batch_passages = [p.trajectory.evidence for p in proposals]
         for i, p in enumerate(proposals):
             if p.ran and p.filter_reason is None:
@@ -400,8 +438,10 @@ class SspProposer:
         limits.seed = _solver_seed(ctx, step, 700)
         stats = run_rollouts([p.rag for p in checked], ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
                              adapter=ctx.solver_adapter)
-        for p in checked:
-            p.rag_verified = ssp.answer_correct(p.rag.answer, p.answer)
+        verdicts = check_answers(ctx, [p.question for p in checked], [p.rag.answer for p in checked],
+                                 [p.answer for p in checked])
+        for p, v in zip(checked, verdicts, strict=True):
+            p.rag_verified, p.rag.meta["answer_check"] = v.correct, v.check
         return stats.total_s
 
     @staticmethod
@@ -420,12 +460,14 @@ class SspProposer:
              "advantage": None if p.reward is None else p.reward - baseline} for p in proposals]
         session.unwritten["rag_rollouts"] = [
             {"id": p.rag.id, "iteration": iteration, "step": step + 1, "question_id": p.trajectory.id,
-             "answer": p.rag.answer, "correct": p.rag_verified, "finish": p.rag.finish,
+             "answer": p.rag.answer, "correct": p.rag_verified, "answer_check": p.rag.meta["answer_check"],
+             "finish": p.rag.finish,
              "own_passages": p.rag.meta["own_passages"], "noise_passages": p.rag.meta["noise_passages"],
              "trajectory": p.rag.to_record()} for p in proposals if p.rag is not None]
         session.unwritten["solver_rollouts"] = [
             {"id": s.id, "iteration": iteration, "step": step + 1, "question_id": p.trajectory.id,
-             "answer": s.answer, "correct": s.meta["correct"], "trajectory": s.to_record()}
+             "answer": s.answer, "correct": s.meta["correct"], "answer_check": s.meta["answer_check"],
+             "trajectory": s.to_record()}
             for p in proposals for s in p.solvers]
 
 
@@ -463,17 +505,22 @@ class SspSolver:
     def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
                 ) -> tuple[list[float | None], dict[str, Any]]:
         ctx = session.ctx
-        correct = {t.id: ssp.answer_correct(t.answer, session.items[t.meta["task_id"]].question.answer)
-                   for t in trajectories if not never_ran(t)}
+        ran = [t for t in trajectories if not never_ran(t)]
+        asked = [session.items[t.meta["task_id"]].question for t in ran]
+        verdicts = dict(zip([t.id for t in ran], check_answers(ctx, [q.question for q in asked],
+                                                               [t.answer for t in ran], [q.answer for q in asked]),
+                            strict=True))
+        correct = {i: v.correct for i, v in verdicts.items()}
         values = [ssp.solver_reward(correct[t.id]) if t.id in correct else None for t in trajectories]
         session.unwritten["rollouts"] = [
             {"id": t.id, "iteration": ctx.iteration, "step": step + 1, "task_id": t.meta["task_id"], "reward": value,
              "from_buffer": session.items[t.meta["task_id"]].question.iteration < ctx.iteration,
              "sampled_as": t.meta.get("sampled_as"), "answer": t.answer, "correct": correct.get(t.id),
-             "trajectory": t.to_record()}
+             "answer_check": verdicts[t.id].check if t.id in verdicts else None, "trajectory": t.to_record()}
             for t, value in zip(trajectories, values, strict=True)]
         return values, {**reward_stats(values), "pass_rate": mean_of(correct.values()) if correct else None,
-                        "answer_rate": mean_of([t.answer is not None for t in trajectories])}
+                        "answer_rate": mean_of([t.answer is not None for t in trajectories]),
+                        "answers_unparseable": unparseable(v.check for v in verdicts.values())}
 
 
 # -- the stages -------------------------------------------------------------------------------------------------
@@ -498,6 +545,8 @@ def train_proposer(r: SelfPlayRun, t: int) -> dict:
     valid = sum(rec["valid"] for rec in attempts)
     checked = [rec["rag_verified"] for rec in attempts if rec["rag_verified"] is not None]
     rates = [rec["success_rate"] for rec in attempts if rec["success_rate"] is not None]
+    answer_checks = Counter(rec.get("answer_check", "rule")   # records written before the option: by rule
+                            for name in ("rag_rollouts", "solver_rollouts") for rec in stage.records(name))
     summary = {"steps": result.steps, "seconds": round(result.seconds, 2),
                **source, "answers": len(prompts), "saved": result.saved.name,
                "reward": [m.get("reward") for m in result.metrics], "attempts": len(attempts), "valid": valid,
@@ -506,7 +555,8 @@ def train_proposer(r: SelfPlayRun, t: int) -> dict:
                "rag_checked": len(checked), "rag_passed": sum(checked),
                "rag_pass_rate": sum(checked) / len(checked) if checked else None,
                "solver_success": mean_of(rates) if rates else None,
-               "zero_spread_tasks": mean_of([x in (0.0, 1.0) for x in rates]) if rates else None}
+               "zero_spread_tasks": mean_of([x in (0.0, 1.0) for x in rates]) if rates else None,
+               "answer_checks": dict(answer_checks)}
     consequence = "the Solver trains only on the replay buffer's questions this iteration, if it holds any"
     for alarm in health.check_valid_tasks({**summary, "iteration": t}, consequence=consequence):
         r.alarms.append(alarm)
@@ -573,7 +623,7 @@ def train_solver(r: SelfPlayRun, t: int) -> dict:
         mark_done(stage, summary)
         return summary
     result = train_role(stage_context(r, t, "solver", stage), solver_tasks(r, t, questions))
-    summary = trained_summary(result, "pass_rate", questions=len(questions), replay=replay,
+    summary = trained_summary(result, "pass_rate", "answers_unparseable", questions=len(questions), replay=replay,
                               samples=r.params.ssp.solver_samples)
     mark_done(stage, summary, result.saved)
     return summary
