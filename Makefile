@@ -8,7 +8,7 @@ SCOPE_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(ab
 export SCOPE_DATA_DIR
 PARAMS ?= params/smoke.yaml
 
-.PHONY: install demo demo-smollm learning-smollm test test-fast test-slow lint clean readme-figure chromium
+.PHONY: install demo demo-smollm learning-smollm compare-methods test test-fast test-slow lint clean readme-figure chromium
 
 install: $(STAMP)
 
@@ -56,6 +56,14 @@ learning-smollm: $(STAMP)
 	done
 	$(BIN)/scope learning-check pool $(LEARN_RUNS)
 	$(BIN)/scope learning-check examples $(LEARN_RUNS) --out runs/learning_check_pooled/smollm-learn-examples.md
+
+# The four methods side by side (issue 49; docs/methods.md, "Methods compared"): every method of the spec's
+# compare.methods and its shuffled-reward control trained under one budget (a finished run is not trained again, a
+# stopped one resumes), all scored on the learning check's held-out set -> runs/<name>/comparison.{json,md}.
+# PARAMS defaults to the tiny smoke spec here (make compare-methods PARAMS=params/<spec>.yaml for another).
+compare-methods: PARAMS = params/compare-smoke.yaml
+compare-methods: $(STAMP)
+	$(BIN)/scope compare-methods $(PARAMS)
 
 # The README's copy of notebook 04's Solver figure, exported by plotly (kaleido + Chromium) from runs/smoke (after `make demo`).
 readme-figure: $(STAMP) chromium

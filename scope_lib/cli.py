@@ -25,8 +25,10 @@
                                                  held-out cross-checkpoint play: Challenger_i's tasks x Solver_j
     scope learning-check pool RUN [RUN ...]      the seeds' checks pooled (seeds, then tasks), the pooled verdict
     scope learning-check examples RUN [RUN ...]  the first 3 held-out tasks by id, M0's and each trained answer (md)
+    scope compare-methods PARAMS                 every method of compare.methods and its control trained under one
+                                                 budget, scored on the held-out set -> <run>/comparison.{json,md}
 
-train, run and eval hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
+train, run, eval and compare-methods hold the run's lock (one writer per run, docs/runs.md). A failure a user can cause or meet
 (bad parameters, a missing or damaged file, disk full, permissions, a locked run, a server down) ends in one
 line naming the file or endpoint and what to do (exit 2); `scope --debug ...` shows the traceback. SIGTERM
 stops a command at the next safe point with one line saying how to resume (exit 143).
@@ -484,6 +486,40 @@ def cmd_check_examples(args) -> int:
     return 0
 
 
+def train_run(params) -> None:
+    """One run of a comparison by `scope train`'s path: the corpus checked, torch's threads, the models the loader
+    cannot build prepared (the smoke warm start), the training loader, then the loop, which resumes a stopped run."""
+    from scope_lib.models.loading import apply_torch_threads, import_training_loader
+    from scope_lib.retrieval.corpus import require_passages
+    from scope_lib.selfplay.loop import run
+    from scope_lib.smoke.warm_start import prepare
+
+    require_passages(params.corpus_path, params.retrieval.on_error)
+    apply_torch_threads(params)
+    prepare(params)
+    import_training_loader(params)
+    run(params)
+
+
+@writes_run
+def cmd_compare_methods(args) -> int:
+    from scope_lib.evaluation.method_comparison import JSON_NAME, MARKDOWN_NAME, compare_methods, pair_text
+    from scope_lib.smoke.warm_start import prepare
+
+    spec = _torch_params(args)
+    comparison = compare_methods(args.params, args.override, train=train_run, prepare=prepare)
+    print(f"{'method':<7} {'home measure':<13} {'rubric score: trained - M0':<28} {'trained - control':<26} "
+          f"{'steps':>5} {'tokens':>8} {'wall s':>8}  verdict")
+    for method, entry in comparison.methods.items():
+        score, trained = entry["measures"]["score"], entry["runs"]["trained"]
+        wall = "-" if trained["wall_s"] is None else f"{trained['wall_s']:.0f}"
+        print(f"{method:<7} {entry['home_measure'] or 'none':<13} {pair_text(score['trained']):<28} "
+              f"{pair_text(score['over_control']):<26} {trained['steps']:>5} {trained['generated_tokens']:>8} "
+              f"{wall:>8}  {entry['verdict']['outcome']}")
+    print(f"written: {spec.run_dir / JSON_NAME} and {spec.run_dir / MARKDOWN_NAME}")
+    return 0
+
+
 def cmd_runs_verify(args) -> int:
     from pathlib import Path
 
@@ -641,6 +677,11 @@ def build_parser() -> argparse.ArgumentParser:
     examples.add_argument("--tasks", type=int, default=3, metavar="N", help="how many tasks (default 3)")
     examples.add_argument("--out", default=None, metavar="FILE.md", help="also write the markdown there")
     examples.set_defaults(func=cmd_check_examples)
+
+    compare_methods = with_params(sub.add_parser(
+        "compare-methods", help="train every method of a spec (compare.methods) and its shuffled-reward control "
+        "under one budget, score all on the held-out set, write one table"), positional=True)
+    compare_methods.set_defaults(func=cmd_compare_methods)
 
     runs = sub.add_parser("runs", help="run folders").add_subparsers(dest="what", required=True)
     verify = runs.add_parser("verify", help="check every saved checkpoint and record of a run; exit 1 on a damaged one")

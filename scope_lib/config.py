@@ -807,6 +807,21 @@ class SspConfig(Section):
         "unparseable verdict and an empty answer are wrong.")
 
 
+class CompareConfig(Section):
+    """The methods side by side (`scope compare-methods`, issue 49; docs/methods.md, "Methods compared"): each method
+    trained from its own params file with this file's base model, corpus and index, seeds, budget and held-out
+    set (`evaluation.method_comparison.SHARED_SECTIONS`, `SHARED_KEYS`), beside its shuffled-reward control, and every trained Solver
+    scored on the learning check's held-out set. Read by no training run."""
+
+    methods: dict[str, str] = Field(
+        default_factory=dict, description="Method name (a registered `method`) -> its params file, relative to this "
+        "file's folder as `inherit` is. Empty: this file is no comparison.")
+    controls: bool = Field(
+        True, description="Train each method's shuffled-reward control too (grpo.reward_control: shuffled): the "
+        "yardstick pairs every trained Solver with its control's.")
+    examples: int = Field(3, ge=0, description="Held-out tasks whose answers the report shows side by side.")
+
+
 class RunConfig(Section):
     """Where a run lives and how it is named."""
 
@@ -850,6 +865,7 @@ class Params(Section):
     learning_check: LearningCheckConfig = Field(default_factory=LearningCheckConfig)
     spice: SpiceConfig = Field(default_factory=SpiceConfig)
     ssp: SspConfig = Field(default_factory=SspConfig)
+    compare: CompareConfig = Field(default_factory=CompareConfig)
     method: str = Field(
         "scope", min_length=1, description="The self-play method: 'scope' (the paper), or another registered in "
         "`scope_lib.selfplay.methods.METHODS` (checked when a run opens; docs/methods.md).")
@@ -901,7 +917,12 @@ class Params(Section):
         return display_path(path, run_dir=self.run_dir, data_dir=self.data_dir)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The parameters as YAML; `compare` only where it names a comparison (a training run's params.yaml, and the
+        Judge probes' key read from it, stay as they were before the section existed)."""
+        data = self.model_dump(mode="json")
+        if self.compare == CompareConfig():
+            data.pop("compare")
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def cache_dir(kind: str) -> Path:

@@ -682,17 +682,11 @@ def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint
     return held_out, evaluations
 
 
-def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
-              control: str | Checkpoint | None = None, metric: str = "score", write: bool = True,
-              **lent: Any) -> LearningCheck:
-    """`scope learning-check compare`: `before`, `after` and the optional shuffled-reward `control` evaluated on the
-    held-out set (`evaluate_checkpoints`, which takes `lent` models), the paired comparisons with `before`, and
-    the verdict, written to <run>/learning_check/<after>-vs-<before>.json. Refuses a checkpoint whose run could
-    have trained on the held-out documents, or whose run's `grpo.reward_control` says it plays the other role."""
-    if metric not in METRICS:
-        raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
-    specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
-    held_out, evaluations = evaluate_checkpoints(params, specs, **lent)
+def check_of(params: Params, held_out: HeldOutSet, evaluations: dict[str, CheckpointEvaluation],
+             metric: str = "score") -> LearningCheck:
+    """The check of evaluations already made ('before', 'after', and optionally 'control'): the paired comparisons
+    with `before`, trained − control, the judge-free measures and the verdict (`run_check` without evaluating;
+    `method_comparison` makes one per method from one round of evaluations)."""
     lc = params.learning_check
 
     def comparison(role: str, base: str = "before") -> Comparison:
@@ -707,8 +701,23 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
                                over_control=over_control, judge_free=judge_free)
     check = LearningCheck(held_out, evaluations, trained, controlled, verdict, over_control, judge_free)
     log.info("learning check of %s against %s: %s", trained.after, trained.before, check.verdict.reason)
+    return check
+
+
+def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
+              control: str | Checkpoint | None = None, metric: str = "score", write: bool = True,
+              **lent: Any) -> LearningCheck:
+    """`scope learning-check compare`: `before`, `after` and the optional shuffled-reward `control` evaluated on the
+    held-out set (`evaluate_checkpoints`, which takes `lent` models), the paired comparisons with `before`, and
+    the verdict, written to <run>/learning_check/<after>-vs-<before>.json. Refuses a checkpoint whose run could
+    have trained on the held-out documents, or whose run's `grpo.reward_control` says it plays the other role."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
+    specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
+    held_out, evaluations = evaluate_checkpoints(params, specs, **lent)
+    check = check_of(params, held_out, evaluations, metric)
     if write:
-        atomic_write_json(params.run_dir / "learning_check" / f"{trained.after}-vs-{trained.before}.json",
+        atomic_write_json(params.run_dir / "learning_check" / f"{check.trained.after}-vs-{check.trained.before}.json",
                           check.to_record())
     return check
 

@@ -159,10 +159,10 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
 
 def science_yaml(params: Params, *, counted_iterations: int | None = None) -> str:
     """The parameters that decide training results: everything but `run` (names and folders, so a run folder
-    can be moved and still resume), `evaluation` and `learning_check` (how checkpoints are measured afterwards;
-    but the documents the check holds out from training count), `model.loader` (transformers and Unsloth load the
-    same M0 and the same adapters: a run resumes with either), `judge.calibration` (the probes of the Judge's
-    stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
+    can be moved and still resume), `evaluation`, `learning_check` and `compare` (how checkpoints are measured and
+    compared afterwards; but the documents the check holds out from training count), `model.loader` (transformers
+    and Unsloth load the same M0 and the same adapters: a run resumes with either), `judge.calibration` (the probes
+    of the Judge's stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
     count: a finished run continues with more). Options added after runs existed are left out at their default
     (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `method:
     scope`, `model.shared_policy: false`, `spice` and `ssp` at their defaults, `ssp.answer_check: rule` in an SSP run, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
@@ -170,7 +170,7 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items()
-               if k not in ("run", "evaluation", "learning_check")}
+               if k not in ("run", "evaluation", "learning_check", "compare")}
     science["model"].pop("loader")
     science["judge"].pop("calibration")
     science["selfplay"].pop("iterations")
