@@ -48,9 +48,10 @@ def repo_root(start: Path | None = None) -> Path:
 
 
 def init(params: str, overrides: list[str] | None = None, *, level: int = logging.INFO,
-         show: int = logging.WARNING) -> Params:
+         show: int = logging.WARNING, models: bool = True) -> Params:
     """chdir to the repository root, configure logging and figures for a report, load the parameters and prepare
-    the models the loader cannot build itself (the smoke model's warm start, built once and cached).
+    the models the loader cannot build itself (the smoke model's warm start, built once and cached; not with
+    `models=False`, for a notebook that only reads what a command wrote, e.g. 07).
 
     A report shows log records at `show` and above (warnings: health alarms, damaged records); every record at
     `level` and above goes to the run's log file, <run>/run.log. Library notices that say nothing to a
@@ -62,6 +63,8 @@ def init(params: str, overrides: list[str] | None = None, *, level: int = loggin
     loaded.run_dir.mkdir(parents=True, exist_ok=True)
     log_to_run_file(loaded.run_dir, level)
 
+    if not models:
+        return loaded
     apply_torch_threads(loaded)
     prepared = prepare(loaded, judges=True)   # notebooks 05-06 judge benchmarks (evaluation.judge_adapter)
     import_training_loader(prepared)  # Unsloth, when chosen, before transformers (the warm start is built without it)
