@@ -163,7 +163,7 @@ def train_runs(spec: Params, spec_path: str | Path, train: Callable[[Params], An
             started = time.perf_counter()
             train(params)
             walls = read_json(wall_file) if wall_file.is_file() else {}
-            walls[params.run.name] = walls.get(params.run.name, 0.0) + round(time.perf_counter() - started, 2)
+            walls[params.run.name] = round(walls.get(params.run.name, 0.0) + time.perf_counter() - started, 2)
             atomic_write_json(wall_file, walls)
     log_to_run_file(spec.run_dir)
     return runs
