@@ -487,18 +487,29 @@ def cmd_check_examples(args) -> int:
 
 
 def train_run(params) -> None:
-    """One run of a comparison by `scope train`'s path: the corpus checked, torch's threads, the models the loader
-    cannot build prepared (the smoke warm start), the training loader, then the loop, which resumes a stopped run."""
-    from scope_lib.models.loading import apply_torch_threads, import_training_loader
-    from scope_lib.retrieval.corpus import require_passages
-    from scope_lib.selfplay.loop import run
-    from scope_lib.smoke.warm_start import prepare
+    """One run of a comparison by `scope train` itself, in a process of its own (each run loads its models, vLLM's
+    engine among them, and gives their memory back when it ends): the run's resolved parameters are written to
+    <run>/compare-params.yaml and trained from there, resuming a stopped run. SIGTERM reaches the run too."""
+    import subprocess
 
-    require_passages(params.corpus_path, params.retrieval.on_error)
-    apply_torch_threads(params)
-    prepare(params)
-    import_training_loader(params)
-    run(params)
+    from scope_lib.runs import RunError, Stopped, atomic_write_text
+
+    path = params.run_dir / "compare-params.yaml"
+    atomic_write_text(path, params.to_yaml())
+    trainer = subprocess.Popen([sys.executable, "-m", "scope_lib.cli", "train", str(path)])
+    try:
+        code = trainer.wait()
+    except (Stopped, KeyboardInterrupt):
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait()
+        raise
+    if code == UNTRUSTED_JUDGE_EXIT:
+        raise RunError(f"{params.run_dir}: a Judge stage failed its calibration probe (scope train exited "
+                       f"{code}, its reason above): fix the Judge, or accept it in that method's params "
+                       "(judge.calibration.accept_untrusted)")
+    if code:
+        raise RunError(f"scope train {path} failed (exit code {code}; its error is above): run the same "
+                       "compare-methods command to resume")
 
 
 @writes_run

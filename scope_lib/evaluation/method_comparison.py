@@ -15,8 +15,8 @@ read together. Here one spec (a params file with a `compare` section) fixes for 
    generated and wall time are not fixed but reported (`run_costs`, from each run's metrics).
 2. **Each method trained, and its control** (`train_runs`): `<name>-<method>` and, with `compare.controls`,
    `<name>-<method>-control` (`grpo.reward_control: shuffled`: the Solver's rewards permuted within each batch), each
-   through `scope train`'s code path (`cli.train_run`: `selfplay.loop.run`), which resumes a stopped run; a run
-   whose every stage is DONE with these parameters is not opened again.
+   by `scope train` itself (`cli.train_run`: the run's resolved params in a process of its own), which resumes a
+   stopped run; a run whose every stage is DONE with these parameters is not opened again.
 3. **One yardstick** (`evaluate_methods`): the learning check's held-out set of the spec (M0's tasks on documents
    no method trains on), every method's answering checkpoint (`answering_checkpoint`: the Solver, SPICE's Reasoner;
    with a shared policy the newest adapter either role trained) and its control's answering the held-out tasks
@@ -144,7 +144,7 @@ def run_finished(params: Params) -> bool:
 
 def train_runs(spec: Params, spec_path: str | Path, train: Callable[[Params], Any]) -> dict[str, dict[str, Params]]:
     """Train every method and its control (module docstring, 2) with `train(params)` (`scope compare-methods`:
-    `scope train`'s path, `cli.train_run`), skipping finished runs; the wall time of each run trained here is kept
+    `scope train` in a process of its own, `cli.train_run`), skipping finished runs; the wall time of each run trained here is kept
     in <spec run>/training_wall.json (a run resumed here: this process's time only). Returns method ->
     {"trained": params, "control": params}."""
     from scope_lib.runs import lock_run, log_to_run_file
