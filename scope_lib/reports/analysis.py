@@ -304,18 +304,20 @@ REWARD_COMPONENTS = {"challenger": ["reward", "format", "gate_pass_rate", "mean_
                      "solver": ["reward", "rubric_score", "format", "search_reward", "length_multiplier"]}
 
 
-def reward_components_figure(metrics, role: str) -> Any:
+def reward_components_figure(metrics, role: str, components: list[str] | None = None,
+                             role_name: str | None = None) -> Any:
     """Notebook 04's "<Role>: reward components per GRPO step" figure (one point per step, one line per
-    component of REWARD_COMPONENTS), or None when the role has no step with a component."""
+    component: REWARD_COMPONENTS[role], or a method's own `components`, titled with its `role_name`), or None when
+    the role has no step with a component."""
     import plotly.express as px
 
     steps = metrics[metrics["role"] == role] if len(metrics) else metrics
-    present = [c for c in REWARD_COMPONENTS[role] if c in steps and steps[c].notna().any()]
+    present = [c for c in components or REWARD_COMPONENTS[role] if c in steps and steps[c].notna().any()]
     if steps.empty or not present:
         return None
     long = steps.melt(id_vars=["global_step", "iteration"], value_vars=present, var_name="component")
     fig = px.line(long, x="global_step", y="value", color="component", markers=True,
-                  title=f"{role.capitalize()}: reward components per GRPO step",
+                  title=f"{role_name or role.capitalize()}: reward components per GRPO step",
                   labels={"global_step": "step (all iterations)", "value": "mean over the batch"})
     return integer_axis(fig, steps["global_step"])
 
