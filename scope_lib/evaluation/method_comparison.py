@@ -92,7 +92,7 @@ JSON_NAME, MARKDOWN_NAME, WALL_NAME = "comparison.json", "comparison.md", "train
 # -- the spec and each method's params ---------------------------------------------------------------------------
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> Params:
+def load_spec(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> Params:
     """A comparison's spec: a params file whose `compare.methods` names registered methods."""
     from scope_lib.selfplay.methods import METHODS
 
@@ -144,9 +144,9 @@ def run_finished(params: Params) -> bool:
 
 def train_runs(spec: Params, spec_path: str | Path, train: Callable[[Params], Any]) -> dict[str, dict[str, Params]]:
     """Train every method and its control (module docstring, 2) with `train(params)` (`scope compare-methods`:
-    `scope train` in a process of its own, `cli.train_run`), skipping finished runs; the wall time of each run trained here is kept
-    in <spec run>/training_wall.json (a run resumed here: this process's time only). Returns method ->
-    {"trained": params, "control": params}."""
+    `scope train` in a process of its own, `cli.train_run`), skipping finished runs. Each run's wall time, summed
+    over the calls that trained it (a call stopped mid-run adds nothing), is kept in <spec run>/training_wall.json.
+    Returns method -> {"trained": params, "control": params}."""
     from scope_lib.runs import lock_run, log_to_run_file
 
     wall_file = spec.run_dir / WALL_NAME
