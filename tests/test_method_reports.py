@@ -21,7 +21,7 @@ from training_helpers import REPO
 
 from scope_lib.config import load_params
 from scope_lib.reports.analysis import training_metrics
-from scope_lib.reports.methods import REPORTS, report_for, spice_gaussian
+from scope_lib.reports.methods import REPORTS, report_for
 from scope_lib.retrieval.index import build_or_open_index
 from scope_lib.runs import read_jsonl
 from scope_lib.selfplay.methods import METHODS
@@ -98,9 +98,10 @@ def test_spice_draws_validity_verification_gaussian_rewards_and_gold_answers(spi
     # the Reasoner's pass rate p = 1/2 on both valid tasks: Var = 1/4, r_C = exp(0) = 1 (eq. 1); p = 0 gives 0.0439
     rates = R.pass_rates(spice_run.run_dir)
     assert list(rates["pass rate p"]) == [0.5, 0.5] and list(rates["reward r_C"]) == pytest.approx([1.0, 1.0])
-    assert [spice_gaussian(p) for p in (0.5, 0.0, 1.0, 0.25)] == pytest.approx(
+    [gaussian] = [f for f in checks if isinstance(f, BaseFigure) and "Gaussian reward (eq. 1)" in f.layout.title.text]
+    curve = dict(zip(gaussian.data[-1].x, gaussian.data[-1].y, strict=True))  # eq. 1's curve drawn beside the records
+    assert [curve[p] for p in (0.5, 0.0, 1.0, 0.25)] == pytest.approx(
         [1.0, math.exp(-3.125), math.exp(-3.125), math.exp(-0.1953125)])
-    assert "SPICE: the Reasoner's pass rate and the Challenger's Gaussian reward (eq. 1)" in titles(checks)
     # training steps of both roles, under the paper's names; SPICE never searches
     M = R.metrics(spice_run.run_dir)
     assert sorted(M["role"].unique()) == ["challenger", "solver"]

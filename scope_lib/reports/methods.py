@@ -13,12 +13,12 @@ does not apply to a method says so in one line (`skip`). The tables are read fro
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from scope_lib.config import Params
+from scope_lib.protocol.rewards import difficulty_reward
 from scope_lib.reports import analysis
 from scope_lib.runs import Stage
 from scope_lib.selfplay.methods import METHODS
@@ -531,11 +531,6 @@ class ScopeReport(MethodReport):
 # -- SPICE: attempts, validity and rule verification; gold answers instead of rubrics ------------------------------
 
 
-def spice_gaussian(p: float) -> float:
-    """SPICE's Challenger reward for a valid task (eq. 1): exp(-(p(1-p) - 0.25)^2 / (2 * 0.01))."""
-    return math.exp(-((p * (1 - p) - 0.25) ** 2) / 0.02)
-
-
 class SpiceReport(MethodReport):
     name = "spice"
     role_names = {"challenger": "Challenger", "solver": "Reasoner"}
@@ -579,7 +574,7 @@ class SpiceReport(MethodReport):
         ps = [i / 100 for i in range(101)]
         fig = px.scatter(rates, x="pass rate p", y="reward r_C", color="answer type", range_x=[-0.05, 1.05],
                          title="SPICE: the Reasoner's pass rate and the Challenger's Gaussian reward (eq. 1)")
-        fig.add_scatter(x=ps, y=[spice_gaussian(p) for p in ps], mode="lines", name="eq. 1",
+        fig.add_scatter(x=ps, y=[difficulty_reward(p, shape="spice") for p in ps], mode="lines", name="eq. 1",
                         line={"color": "gray", "dash": "dot"})
         items += [fig, rates.groupby("iteration")[["pass rate p", "reward r_C"]].mean().round(3)]
         return items
