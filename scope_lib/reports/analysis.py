@@ -179,13 +179,19 @@ def _iterations(run_dir) -> list[tuple[int, Any]]:
     return [(int(p.name[5:]), p) for p in folders]
 
 
-def training_metrics(run_dir) -> Any:
-    """Every training step of a run (iter_NN/<role>/metrics.jsonl), one row per step, with `global_step`
-    counting a role's steps across iterations (the x axis of Figures 6 and 7)."""
+#: SCOPE's training stages: (the stage's folder, the role it trains).
+SCOPE_TRAINING_STAGES: tuple[tuple[str, str], ...] = (("challenger", "challenger"), ("solver", "solver"))
+
+
+def training_metrics(run_dir, stages: tuple[tuple[str, str], ...] = SCOPE_TRAINING_STAGES) -> Any:
+    """Every training step of a run (iter_NN/<stage>/metrics.jsonl for each (stage, role) of `stages`: SCOPE's by
+    default, another method's from `harness.Method.stages`, e.g. SCORE's evaluator/ training `challenger`), one row
+    per step with its `role`, and `global_step` counting a role's steps across iterations (the x axis of Figures 6
+    and 7)."""
     import pandas as pd
 
-    rows = [r for _, folder in _iterations(run_dir) for role in ("challenger", "solver")
-            for r in _jsonl(folder / role / "metrics.jsonl")]
+    rows = [{**r, "role": role} for _, folder in _iterations(run_dir) for stage, role in stages
+            for r in _jsonl(folder / stage / "metrics.jsonl")]
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame

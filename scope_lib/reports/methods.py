@@ -140,17 +140,7 @@ class MethodReport:
     def metrics(self, run_dir) -> Any:
         """Every training step of the run, one row per step, from the folder of each stage that trains a role
         (`harness.Method.stages`), with `global_step` counting a role's steps across iterations."""
-        import pandas as pd
-
-        trained = [(s.name, s.trains) for s in self.method.stages if s.trains]
-        rows = [{**r, "role": role} for _, folder in analysis._iterations(run_dir) for stage, role in trained
-                for r in analysis._jsonl(folder / stage / "metrics.jsonl")]
-        frame = pd.DataFrame(rows)
-        if frame.empty:
-            return frame
-        frame = frame.sort_values(["role", "iteration", "step"]).reset_index(drop=True)
-        frame["global_step"] = frame.groupby("role").cumcount() + 1
-        return frame
+        return analysis.training_metrics(run_dir, tuple((s.name, s.trains) for s in self.method.stages if s.trains))
 
     def opening(self, params: Params, metrics, n_alarms: int) -> str:
         records = len(self.writer_records(params.run_dir))
@@ -312,9 +302,6 @@ class MethodReport:
 class ScopeReport(MethodReport):
     name = "scope"
     role_names = {"challenger": "challenger", "solver": "solver"}
-
-    def metrics(self, run_dir) -> Any:
-        return analysis.training_metrics(run_dir)
 
     # -- notebook 02: a live Challenger batch, its format scores and the gates ----------------------------------
 
