@@ -225,6 +225,7 @@ def test_an_ssp_iteration_without_a_valid_question_says_so_and_goes_on(tmp_path,
     result, _ = run_ssp(params, tiny_model_dir, retriever, questions=None)
     assert "no_valid_task" in [a["alarm"] for a in result.alarms]
     assert "replay buffer" in (params.run_dir / "health.jsonl").read_text()
+    assert "none of the Proposer's" in (params.run_dir / "health.jsonl").read_text()   # SSP's name for the role
     proposals = read_jsonl(params.run_dir / "iter_01" / "challenger" / "rollouts.jsonl")
     assert proposals and all((p["reward"], p["invalid_reason"]) == (0.0, "no_question") for p in proposals)
     solver = json.loads((params.run_dir / "iter_01" / "solver" / "DONE").read_text())

@@ -107,14 +107,14 @@ def check_pool(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def check_valid_tasks(summary: dict[str, Any], *,
+def check_valid_tasks(summary: dict[str, Any], *, writer: str = "Challenger",
                       consequence: str = "the Reasoner cannot train this iteration") -> list[dict[str, Any]]:
-    """Alarms for a finished stage whose tasks carry a gold answer (SPICE's Challenger, SSP's Proposer): no attempt
-    was valid; `consequence` says what that means for the method."""
+    """Alarms for a finished stage whose tasks carry a gold answer (SPICE's Challenger, SSP's Proposer: `writer`, the
+    paper's name of the role): no attempt was valid; `consequence` says what that means for the method."""
     if summary.get("valid", 0) == 0:
         reasons = ", ".join(f"{k} {n}" for k, n in sorted((summary.get("invalid_reasons") or {}).items()))
         return [_alarm("no_valid_task", {"role": "challenger", **summary}, 0, 1,
-                       f"none of the Challenger's {summary.get('attempts', 0)} attempts was a valid task ({reasons}): "
+                       f"none of the {writer}'s {summary.get('attempts', 0)} attempts was a valid task ({reasons}): "
                        f"{consequence}")]
     return []
 

@@ -558,7 +558,7 @@ def train_proposer(r: SelfPlayRun, t: int) -> dict:
                "zero_spread_tasks": mean_of([x in (0.0, 1.0) for x in rates]) if rates else None,
                "answer_checks": dict(answer_checks)}
     consequence = "the Solver trains only on the replay buffer's questions this iteration, if it holds any"
-    for alarm in health.check_valid_tasks({**summary, "iteration": t}, consequence=consequence):
+    for alarm in health.check_valid_tasks({**summary, "iteration": t}, writer="Proposer", consequence=consequence):
         r.alarms.append(alarm)
         if ranks.is_main():
             health.report(alarm, r.run_dir)
