@@ -153,7 +153,8 @@ class SspQuestion:
 @dataclass(frozen=True)
 class SolverTask:
     """A question of the Solver's stage and, with `ssp.solver_samples: shared` for a question new this iteration, the
-    n Solver rollouts (trajectory records) that scored its Proposer: its GRPO group (Algorithm 1 line 10)."""
+    n Solver rollouts that scored its Proposer (Stage 1's `solver_rollouts` records: the trajectory and its verdict):
+    its GRPO group (Algorithm 1 line 10)."""
 
     question: SspQuestion
     rollouts: tuple[dict[str, Any], ...] = ()
@@ -487,7 +488,9 @@ class SspSolver:
     def draw_rollouts(self, session: RoleSession, trajectories: list[Trajectory], limits: RolloutLimits, step: int
                       ) -> tuple[list[Trajectory], RolloutStats]:
         """Row j of a question with stored rollouts (its id ends in /g<j>) is the j-th of them, under the row's id
-        (`sampled_as` names it); the other rows (replay buffer questions, `fresh`) are rolled out now."""
+        (`sampled_as` names it), with the verdict that scored the Proposer (`correct`, `answer_check`: Algorithm 1
+        line 10 reuses the rollouts and their rewards; a record written before `answer_check` existed was checked by
+        rule); the other rows (replay buffer questions, `fresh`) are rolled out now."""
         ctx = session.ctx
         fresh = [t for t in trajectories if not session.items[t.meta["task_id"]].rollouts]
         stats = run_rollouts(fresh, ctx.rollout_engine, ctx.retriever, ctx.dialect, limits,
@@ -498,18 +501,23 @@ class SspSolver:
             if not stored:
                 out.append(t)
                 continue
-            sampled = Trajectory.from_record(stored[int(t.id.rsplit("/g", 1)[1]) % len(stored)])
-            out.append(dataclasses.replace(sampled, id=t.id, meta={**t.meta, "sampled_as": sampled.id}))
+            rec = stored[int(t.id.rsplit("/g", 1)[1]) % len(stored)]
+            sampled = Trajectory.from_record(rec["trajectory"])
+            out.append(dataclasses.replace(sampled, id=t.id, meta={
+                **t.meta, "sampled_as": sampled.id, "correct": rec["correct"],
+                "answer_check": rec.get("answer_check", "rule")}))
         return out, stats
 
     def rewards(self, session: RoleSession, trajectories: list[Trajectory], step: int
                 ) -> tuple[list[float | None], dict[str, Any]]:
         ctx = session.ctx
         ran = [t for t in trajectories if not never_ran(t)]
-        asked = [session.items[t.meta["task_id"]].question for t in ran]
-        verdicts = dict(zip([t.id for t in ran], check_answers(ctx, [q.question for q in asked],
-                                                               [t.answer for t in ran], [q.answer for q in asked]),
-                            strict=True))
+        verdicts = {t.id: Verdict(t.meta["correct"], t.meta["answer_check"]) for t in ran if "sampled_as" in t.meta}
+        new = [t for t in ran if t.id not in verdicts]   # rows rolled out now: checked now, in one call
+        asked = [session.items[t.meta["task_id"]].question for t in new]
+        verdicts |= dict(zip([t.id for t in new], check_answers(ctx, [q.question for q in asked],
+                                                                [t.answer for t in new], [q.answer for q in asked]),
+                             strict=True))
         correct = {i: v.correct for i, v in verdicts.items()}
         values = [ssp.solver_reward(correct[t.id]) if t.id in correct else None for t in trajectories]
         session.unwritten["rollouts"] = [
@@ -582,7 +590,7 @@ def solver_tasks(r: SelfPlayRun, t: int, questions: list[SspQuestion]) -> dict[s
     stored: dict[str, list[dict[str, Any]]] = {}
     if r.params.ssp.solver_samples == "shared":
         for rec in r.stage(t, "challenger").records("solver_rollouts"):
-            stored.setdefault(rec["question_id"], []).append(rec["trajectory"])
+            stored.setdefault(rec["question_id"], []).append(rec)
     return {q.id: SolverTask(q, tuple(stored.get(q.id, ())) if q.iteration == t else ()) for q in questions}
 
 
