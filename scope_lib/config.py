@@ -807,6 +807,20 @@ class SspConfig(Section):
         "unparseable verdict and an empty answer are wrong.")
 
 
+class GoldSliceConfig(Section):
+    """The yardstick's gold-answer slice (`evaluation.gold_slice`; docs/methods.md, "Methods compared"): held-out
+    questions with verified gold answers written by M0 on the held-out set's documents, built once beside the set,
+    scored by exact match (SPICE's rule), no judge."""
+
+    builder: Literal["spice"] = Field(
+        "spice", description="Who writes the questions: SPICE's Challenger (a JSON task with a typed gold answer "
+        "checked by rule; no search).")
+    tasks: int = Field(8, ge=0, description="Questions to keep (0: no slice).")
+    documents: int = Field(16, ge=1, description="The most held-out documents the builder reads (in the held-out "
+                           "set's order), batch by batch (learning_check.batch_size) until `tasks` are kept.")
+    attempts: int = Field(2, ge=1, description="Attempts per document until one is a valid task (SPICE's N).")
+
+
 class CompareConfig(Section):
     """The methods side by side (`scope compare-methods`, issue 49; docs/methods.md, "Methods compared"): each method
     trained from its own params file with this file's base model, corpus and index, seeds, budget and held-out
@@ -820,6 +834,14 @@ class CompareConfig(Section):
         True, description="Train each method's shuffled-reward control too (grpo.reward_control: shuffled): the "
         "yardstick pairs every trained Solver with its control's.")
     examples: int = Field(3, ge=0, description="Held-out tasks whose answers the report shows side by side.")
+    gold: GoldSliceConfig = Field(default_factory=GoldSliceConfig, description="The yardstick's gold-answer slice "
+                                  "(held-out questions with verified answers, no judge).")
+    benchmarks: list[str] = Field(
+        default_factory=list, description="Short-form QA benchmarks of `scope eval` (nq, hotpotqa, ...) every "
+        "answering checkpoint and M0 answer beside the table, scored by exact match and F1 (no judge). Empty: none.")
+    benchmark_items: int = Field(
+        8, ge=1, description="Items drawn from each of `benchmarks` (its `evaluation.max_examples` in the spec's "
+        "eval folder; every checkpoint answers the same ones, at `evaluation.seeds`).")
 
 
 class RunConfig(Section):

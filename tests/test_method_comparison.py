@@ -4,36 +4,49 @@ optimiser step per role) on the tiny model with real TRL updates, a scripted eng
 and SCORE's scripts from their own tests; SSP's Proposer finds no valid question, as on the smoke model), then every
 answering checkpoint scored on one held-out set. The engine plants one signal: SCOPE's trained Solver (its adapter,
 by name) names every entity of a held-out task, every other checkpoint answers as M0 does; so SCOPE's rubric gain
-over M0 and over its control lies above 0 and every other method's gain is exactly 0. A second call with every run
-DONE trains nothing, evaluates nothing and writes the same table."""
+over M0 and over its control lies above 0 and every other method's gain is exactly 0. On the gold-answer slice
+(M0 writing SPICE tasks on the held-out documents, every second attempt valid) a second signal is planted: SPICE's
+answering checkpoint answers every question right, every other checkpoint wrong. The short-form benchmarks (NQ,
+HotpotQA, four items each) are answered beside them. A second call with every run DONE trains nothing, evaluates
+nothing and writes the same table."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from scripted_engine import ScriptedEngine
 from test_learning_check import PlantedEngine
 from test_score_method import score_script
 from test_spice_method import spice_script
 from training_helpers import FAST, REPO, load_policy
 
 from scope_lib.evaluation.evaluate import Policy
-from scope_lib.evaluation.held_out import CheckComponents
+from scope_lib.evaluation.gold_slice import empty_reason, gold_folder, gold_slice
+from scope_lib.evaluation.held_out import CheckComponents, HeldOutSet
 from scope_lib.evaluation.method_comparison import (
     HOME_GROUND,
     JSON_NAME,
     MARKDOWN_NAME,
+    Yardstick,
     answering_checkpoint,
     compare_methods,
+    gold_report,
+    gold_text_lines,
+    home_label,
     load_spec,
     method_params,
     read_comparison,
+    yardstick_measures,
 )
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.index import build_or_open_index
+from scope_lib.runs import read_jsonl
 from scope_lib.selfplay.judge import Judge
 from scope_lib.selfplay.loop import run
 
@@ -90,6 +103,44 @@ def setup(tmp_path_factory, wiki_sample):
     return spec_path, overrides, spec, build_or_open_index(spec, progress=False), folder
 
 
+GOLD_QUESTION = re.compile(r"What is (\d+) times 7\?")
+
+
+def gold_writer():
+    """M0's SPICE Challenger on the held-out documents (the gold-answer slice's builder): the n-th attempt writes
+    the integer task "What is n times 7?" (gold 7n) when n is even, else declines with no JSON."""
+    attempts = [0]
+
+    def write(role: str, context: str) -> str | None:
+        if "write one challenging exam question" not in context:
+            return None
+        attempts[0] += 1
+        n = attempts[0]
+        return json.dumps({"answer_type": "integer", "question": f"What is {n} times 7?", "answer": 7 * n}) \
+            if n % 2 == 0 else "I would rather not."
+
+    return write
+
+
+class GoldEngine(PlantedEngine):
+    """The planted engine, and on a gold-slice question ("What is n times 7?") the adapters in `right` answer 7n,
+    every other checkpoint (M0 included) 7n + 1."""
+
+    def __init__(self, *args, right=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.right = set(right)
+
+    def generate(self, prompt_token_ids, sampling, adapter=None):
+        out = super().generate(prompt_token_ids, sampling, adapter)
+        for i, ids in enumerate(prompt_token_ids):
+            context = self.tokenizer.decode(ids)
+            asked = GOLD_QUESTION.search(context)
+            if asked and self.role(context) == "solver" and "<answer>" in out[i].text:
+                n = 7 * int(asked.group(1)) + (0 if adapter in self.right else 1)
+                out[i] = self._complete(f"<think>Multiply.</think>\n<answer>{n}</answer>", sampling)
+        return out
+
+
 def trainer(tiny_model_dir, retriever, trained: list):
     """`train(params)` for compare_methods: the loop `scope train` runs, on the tiny model's real policy and the
     scripted engine (a fresh one per run)."""
@@ -105,8 +156,12 @@ def trainer(tiny_model_dir, retriever, trained: list):
 def lender(spec, retriever, passages, tokenizer, root: Path, engines: list):
     """`lend(checkpoints)`: the scripted engine serving every checkpoint under its name, SCOPE's trained Solver
     carrying the planted signal; M0 (adapter None) and the frozen grader on the same engine."""
+    writer, scripted = gold_writer(), script()
+
     def lend(checkpoints):
-        engine = PlantedEngine(tokenizer, DIALECT, trained=(f"{spec.run.name}-scope-01-solver",), grader=script())
+        engine = GoldEngine(tokenizer, DIALECT, trained=(f"{spec.run.name}-scope-01-solver",),
+                            right=(f"{spec.run.name}-spice-01-solver",),
+                            grader=lambda role, context: writer(role, context) or scripted(role, context))
         engines.append(engine)
         policies = {ck.name: Policy(ck, engine, None if ck.kind == "base" else ck.name) for ck in checkpoints.values()}
         components = CheckComponents(engine, Judge(engine, spec.judge, seed=spec.selfplay.seed), retriever, DIALECT,
@@ -158,12 +213,35 @@ def test_every_method_and_its_control_train_under_the_spec_and_are_scored_on_one
         assert entry["score"]["trained"]["gain"] == 0.0 and entry["score"]["trained"]["ci95"] == [0.0, 0.0]
         assert entry["fact_recall"]["trained"]["gain"] == 0.0
     assert comparison.held_out["tasks"] == spec.learning_check.tasks == score["trained"]["tasks"]
-    # home ground: the rubric score for SCOPE and SCORE, no measure for SPICE and SSP
+    # home ground: the rubric score for SCOPE and SCORE, the gold-answer slice for SPICE and SSP
     for method in METHODS:
         entry = comparison.methods[method]
         home = [m for m, v in entry["measures"].items() if v["home"]]
-        assert home == (["score"] if method in ("scope", "score") else []) and entry["home_measure"] == \
+        assert home == (["score"] if method in ("scope", "score") else ["gold"]) and entry["home_measure"] == \
             HOME_GROUND[method][0]
+    # the gold-answer slice, by hand: 8 held-out documents in one batch; round 0's attempts 1-8 (even ones valid:
+    # documents 2, 4, 6, 8), round 1 on documents 1, 3, 5, 7 (attempts 9-12: 10 and 12 valid): 6 questions, 12
+    # attempts, 6 without JSON. SPICE's Solver answers all 6 right (K = 2 each), everyone else wrong.
+    gold = comparison.gold_slice
+    assert (gold["tasks"], gold["attempts"], gold["valid"], gold["documents"]) == (6, 12, 6, 8)
+    assert gold["invalid_reasons"] == {"no_json": 6} and gold["answer_types"] == {"integer": 6} and not gold["empty"]
+    assert [ex["gold"] for ex in gold["examples"]] == ["14", "70", "28"]
+    assert gold["examples"][0]["answers"]["spice"] == {"answer": "14", "verified": 1.0}
+    assert gold["examples"][0]["answers"]["M0"] == {"answer": "15", "verified": 0.0}
+    spice_gold = comparison.methods["spice"]["measures"]["gold"]
+    assert spice_gold["means"] == {"M0": 0.0, "trained": 1.0, "control": 0.0} and spice_gold["home"]
+    assert (spice_gold["trained"]["gain"], spice_gold["trained"]["ci95"], spice_gold["trained"]["tasks"]) == \
+        (1.0, [1.0, 1.0], 6)
+    assert spice_gold["over_control"]["gain"] == 1.0 and spice_gold["control"]["gain"] == 0.0
+    for method in ("scope", "ssp", "score"):
+        assert comparison.methods[method]["measures"]["gold"]["trained"]["gain"] == 0.0
+    # the short-form benchmarks: EM and F1 of every checkpoint on the same 4 items; SPICE's Solver answers them as
+    # M0 does (its planted signal is the slice's), so its gain is exactly 0
+    assert set(comparison.benchmarks) == {"nq", "hotpotqa"}
+    for key in ("nq_em", "nq_f1", "hotpotqa_em", "hotpotqa_f1"):
+        entry = comparison.methods["spice"]["measures"][key]
+        assert entry["trained"]["tasks"] == 4 and entry["trained"]["gain"] == 0.0
+        assert all(0.0 <= v <= 1.0 for v in entry["means"].values())
     # cost: one optimiser step per role, tokens and seconds from the runs' metrics, this process's wall time
     for method in METHODS:
         run_ = comparison.methods[method]["runs"]["trained"]
@@ -176,6 +254,8 @@ def test_every_method_and_its_control_train_under_the_spec_and_are_scored_on_one
     assert read_comparison(written).to_record() == json.loads(json.dumps(comparison.to_record()))
     text = (spec.run_dir / MARKDOWN_NAME).read_text()
     assert "| scope | rubric score | yes |" in text and "verified gold answers" in text
+    assert "| spice | gold-answer pass rate | yes | 0.000 | 1.000 | 0.000 | +1.000 [+1.000, +1.000] |" in text
+    assert "| spice | NQ EM |" in text and "6 question(s) from 12 attempt(s)" in text
     example = comparison.examples[0]
     assert list(example["answers"]) == ["M0", *METHODS] and example["rubrics"]
     assert "It is about" in example["answers"]["scope"]["answer"]
@@ -200,10 +280,13 @@ def test_the_notebooks_fixture_has_the_shape_compare_methods_writes(compared):
             return {k: keys(v, depth + 1) for k, v in node.items() if k not in ("alarms", "validity", "roles")}
         return None
 
-    fixture = read_comparison(FIXTURE).to_record()
     made = compared[0].to_record()
+    if os.environ.get("SCOPE_WRITE_FIXTURES"):  # regenerate it: SCOPE_WRITE_FIXTURES=1 pytest this file
+        FIXTURE.write_text(json.dumps(made, indent=2) + "\n")
+    fixture = read_comparison(FIXTURE).to_record()
     assert keys(fixture["methods"]["scope"]) == keys(made["methods"]["scope"])
     assert keys(fixture["spec"]) == keys(made["spec"]) and keys(fixture["held_out"]) == keys(made["held_out"])
+    assert keys(fixture["gold_slice"]) == keys(made["gold_slice"]) and fixture["benchmarks"] == made["benchmarks"]
 
 
 def test_the_compare_section_stays_out_of_training_runs_hashes_and_names_registered_methods(tmp_path):
@@ -227,3 +310,63 @@ def test_the_compare_section_stays_out_of_training_runs_hashes_and_names_registe
     with pytest.raises(ParamsError, match="trains method 'scope', not 'spice'"):
         method_params(load_params(REPO / "params" / "compare-smoke.yaml", ["compare.methods.spice=smoke.yaml"]),
                       REPO / "params" / "compare-smoke.yaml", "spice")
+
+
+def slice_parts(setup, tokenizer, passages, tmp_path, override, crash_at=None, **gold):
+    """The spec with `compare.gold` set (no benchmarks), a held-out set's folder of its own, and M0's components on
+    a scripted engine whose Challenger follows `override` (dying at its `crash_at`-th call)."""
+    from test_learning_check import CrashingEngine
+
+    spec_path, overrides, _, retriever, _ = setup
+    spec = load_spec(spec_path, {**overrides, "compare.benchmarks": [],
+                                 **{f"compare.gold.{k}": v for k, v in gold.items()}})
+    engine = CrashingEngine(tokenizer, DIALECT, grader=override, crash_at=crash_at) if crash_at else \
+        ScriptedEngine(tokenizer, DIALECT, override=override)
+    components = CheckComponents(engine, Judge(engine, spec.judge, seed=0), retriever, DIALECT, passages)
+    return spec, HeldOutSet(tmp_path / "heldout", "key", [], {}, model="scripted"), components
+
+
+def test_a_slice_m0_writes_no_question_for_is_empty_and_says_why(setup, tiny_tokenizer, passages, tmp_path):
+    """The tiny model and SmolLM2 write no valid SPICE task today: the slice is empty, nothing crashes, and the
+    measure, the home column and the report say why with the attempts' reasons counted (8 documents x 2 attempts,
+    no JSON in any)."""
+    spec, held_out, components = slice_parts(setup, tiny_tokenizer, passages, tmp_path, lambda role, context:
+                                              "No question." if "challenging exam question" in context else None,
+                                              tasks=4, documents=8, attempts=2)
+    gold = gold_slice(spec, held_out, components, progress=False)
+    assert gold.tasks == [] and components.engine.calls == 2          # one call per round
+    assert (gold.summary["attempts"], gold.summary["invalid_reasons"]) == (16, {"no_json": 16})
+    why = "empty: M0 wrote no valid question in 16 attempt(s) on 8 held-out document(s) (no_json ×16)"
+    assert empty_reason(gold.summary) == why
+    ys = Yardstick(held_out, {}, {}, gold)
+    entry = yardstick_measures(spec, ys, {"M0": "before", "trained": "spice"}, "gold")["gold"]
+    assert entry["means"] == {} and entry["trained"] is None and entry["note"] == why and entry["home"]
+    assert home_label({"home_measure": "gold", "measures": {"gold": entry}}) == f"gold-answer pass rate ({why})"
+    report = gold_report(spec, ys, ["spice"])
+    assert report["empty"] == why and report["examples"] == [] and why in gold_text_lines(report)
+    again = gold_slice(spec, held_out, None, progress=False)            # read back: no model
+    assert again.summary == gold.summary
+
+
+def test_a_slice_build_killed_mid_way_resumes_with_nothing_lost_or_duplicated(setup, tiny_tokenizer, passages,
+                                                                             tmp_path):
+    """16 documents in two batches of 8, one attempt each, every second attempt valid: killed in batch 2's engine
+    call, the build keeps batch 1 (4 questions) and draws batch 2 alone, once. The resumed process's Challenger
+    starts its count again, so batch 2's 4 valid tasks repeat batch 1's questions: the slice, read back from disk,
+    refuses them as duplicates."""
+    parts = {"tasks": 100, "documents": 16, "attempts": 1}
+    spec, held_out, crashing = slice_parts(setup, tiny_tokenizer, passages, tmp_path, gold_writer(), crash_at=2,
+                                           **parts)
+    with pytest.raises(KeyboardInterrupt):
+        gold_slice(spec, held_out, crashing, progress=False)
+    folder = gold_folder(spec, held_out)[0]
+    first = read_jsonl(folder / "attempts.jsonl")
+    assert len(first) == 8 and not (folder / "DONE").exists()
+    _, _, components = slice_parts(setup, tiny_tokenizer, passages, tmp_path, gold_writer(), **parts)
+    gold = gold_slice(spec, held_out, components, progress=False)
+    attempts = read_jsonl(folder / "attempts.jsonl")
+    assert components.engine.calls == 1 and attempts[:8] == first       # batch 1 kept, batch 2 drawn once
+    assert len(attempts) == len({a["id"] for a in attempts}) == 16
+    assert len(gold.tasks) == gold.summary["valid"] == 4 and len({t.task for t in gold.tasks}) == 4
+    assert gold.summary["invalid_reasons"] == {"no_json": 8, "duplicate_question": 4}
+    assert [t.gold.answer for t in gold.tasks] == [14, 28, 42, 56]

@@ -56,7 +56,7 @@ from scope_lib.models.loading import make_engine
 from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, read_json
 from scope_lib.selfplay.grader_probe import Calibration
 from scope_lib.selfplay.rollout import new_trajectory, run_rollouts, solver_messages
-from scope_lib.selfplay.tasks import grade_rollouts, solver_limits
+from scope_lib.selfplay.tasks import GradedSolverRollout, grade_rollouts, solver_limits
 from scope_lib.selfplay.training import shuffles_rewards
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,14 @@ def stored_evaluation(params: Params, held_out: HeldOutSet, ck: Checkpoint, seed
 
 
 def evaluate_checkpoint(params: Params, held_out: HeldOutSet, policy: Policy, components: CheckComponents, *,
-                        seed: int | None = None, progress: bool = True) -> CheckpointEvaluation:
+                        seed: int | None = None, progress: bool = True,
+                        grade: Callable[[list, dict[str, Any], CheckComponents], list[GradedSolverRollout]]
+                        | None = None) -> CheckpointEvaluation:
     """K Solver rollouts of `policy` per held-out task at the training sampling, graded by the frozen Judge at the
     training grading temperature (module docstring, 2). Batches of `eval_batch_tasks` tasks (one engine call per
     turn for all their rollouts, one Judge call per batch) are stored as they finish; a killed evaluation resumes,
-    a finished one is read back without any model call."""
+    a finished one is read back without any model call. `grade(trajectories, tasks by id, components)` scores a
+    batch instead of the Judge's rubrics (the gold-answer slice's rule, `gold_slice.grade_gold`)."""
     from tqdm.auto import tqdm
 
     lc, s = params.learning_check, params.solver
@@ -199,7 +202,9 @@ def evaluate_checkpoint(params: Params, held_out: HeldOutSet, policy: Policy, co
         stats = run_rollouts(trajectories, policy.engine, components.retriever, components.dialect, limits,
                              adapter=policy.adapter)
         engine_calls += stats.engine_calls
-        graded = grade_rollouts(trajectories, {t.challenger_id: t for t in batch}, components.judge)
+        by_id = {t.challenger_id: t for t in batch}
+        graded = grade(trajectories, by_id, components) if grade else grade_rollouts(trajectories, by_id,
+                                                                                     components.judge)
         by_task: dict[str, list] = {}
         for g in graded:
             by_task.setdefault(g.trajectory.meta["challenger_id"], []).append(g)
@@ -213,8 +218,9 @@ def evaluate_checkpoint(params: Params, held_out: HeldOutSet, policy: Policy, co
     evaluation = stored_evaluation(params, held_out, ck, seed)
     assert evaluation is not None, "every held-out task was just evaluated"
     evaluation.engine_calls = engine_calls
-    log.info("%s on %d held-out task(s): mean rubric score %.3f, success rate %.3f (K = %d, seed %d)", ck.name,
-             len(evaluation.results), evaluation.mean_score, evaluation.success_rate, lc.samples, seed)
+    log.info("%s on %d task(s) of %s: mean score %.3f, success rate %.3f (K = %d, seed %d)", ck.name,
+             len(evaluation.results), held_out.path.name, evaluation.mean_score, evaluation.success_rate, lc.samples,
+             seed)
     return evaluation
 
 
@@ -662,17 +668,20 @@ def opener(params: Params, checkpoints: list[Checkpoint], *, engine: Engine | No
 def evaluate_checkpoints(params: Params, checkpoints: dict[str, str | Checkpoint], *, seed: int | None = None,
                          engine: Engine | None = None, components: CheckComponents | None = None,
                          policies: dict[str, Policy] | None = None, model_id: str | None = None,
-                         root: str | Path | None = None, progress: bool = True
+                         root: str | Path | None = None, progress: bool = True,
+                         opened: Callable[[], dict[str, Any]] | None = None
                          ) -> tuple[HeldOutSet, dict[str, CheckpointEvaluation]]:
     """`scope learning-check evaluate`: the held-out set (built or reused) and each checkpoint's evaluation, keyed
     like `checkpoints` (stored evaluations are read back; no model loads when every one is stored). A key that is a
     role ('after', 'control') is checked for it too (`check_training`). `engine` / `components` / `policies`
-    (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them."""
+    (keyed by checkpoint name) let a caller that holds models (notebook 04) lend them; `opened`, an `opener` the
+    caller shares with other measures (`method_comparison`), opens them instead."""
     resolved = unique_names({key: spec if isinstance(spec, Checkpoint) else resolve_checkpoint(params, spec)
                         for key, spec in checkpoints.items()})
     for key, ck in resolved.items():
         check_training(params, ck, key)
-    open_all = opener(params, list(resolved.values()), engine=engine, components=components, policies=policies)
+    open_all = opened or opener(params, list(resolved.values()), engine=engine, components=components,
+                                policies=policies)
     held_out = held_out_set(params, lambda: open_all()["components"], model_id=model_id, root=root, progress=progress)
     evaluations = {}
     for key, ck in resolved.items():

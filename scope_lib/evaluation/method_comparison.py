@@ -22,9 +22,13 @@ read together. Here one spec (a params file with a `compare` section) fixes for 
    with a shared policy the newest adapter either role trained) and its control's answering the held-out tasks
    under one protocol (the spec's Solver prompt and budgets, K rollouts at the same seeds), scored by the frozen
    M0 grader (the rubric score, eq. 1) and the judge-free measures (`evaluation.judge_free`), each paired against
-   M0 and against the control with the check's bootstrap (`learning_check.check_of`, one check per method).
+   M0 and against the control with the check's bootstrap (`learning_check.check_of`, one check per method). Beside
+   them, with no judge: the gold-answer slice (`evaluation.gold_slice`: held-out questions with typed gold answers
+   written once by M0 with SPICE's Challenger, answered under the same protocol at the same seeds, verified by
+   SPICE's rule; `compare.gold`), and the short-form QA benchmarks of `scope eval` (`compare.benchmarks`: exact
+   match and F1, `benchmark_values`), each paired the same way (`paired_measure`).
 4. **Home ground** (HOME_GROUND): SCOPE and SCORE train on judged rubric-like scores, so the rubric score is their
-   home ground; SPICE and SSP train on verified gold answers, which no measure here is.
+   home ground; SPICE and SSP train on verified gold answers, so the gold-answer slice is theirs.
 """
 
 from __future__ import annotations
@@ -34,12 +38,23 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from scope_lib.config import Params, ParamsError, load_params
-from scope_lib.evaluation.evaluate import Checkpoint, resolve_checkpoint
+from scope_lib.evaluation.benchmarks import BENCHMARKS, select_items
+from scope_lib.evaluation.evaluate import (
+    Checkpoint,
+    answered_from,
+    eval_dir,
+    load_summary,
+    resolve_checkpoint,
+    run_solver,
+    score_items,
+    write_benchmark_results,
+)
+from scope_lib.evaluation.gold_slice import empty_reason, gold_slice, gold_text, grade_gold
 from scope_lib.evaluation.held_out import HeldOutSet
 from scope_lib.evaluation.judge_free import fact_recall
 from scope_lib.evaluation.learning_check import (
@@ -48,8 +63,14 @@ from scope_lib.evaluation.learning_check import (
     LearningCheck,
     check_of,
     check_training,
+    checkpoint_fingerprint,
     compare_evaluations,
+    compare_values,
+    evaluate_checkpoint,
     evaluate_checkpoints,
+    opener,
+    stored_evaluation,
+    unique_names,
 )
 from scope_lib.evaluation.pooled_check import LABELS, first_rollouts, task_order
 from scope_lib.runs import (
@@ -76,11 +97,15 @@ HOME_GROUND: dict[str, tuple[str | None, str]] = {
     "scope": ("score", "judged rubric scores: the frozen Judge grades the Solver's answer on the Challenger's "
               "rubrics (eq. 1, 6)"),
     "score": ("score", "judged rubric-like scores: its own Evaluator's weighted rubric dimensions (§3.5)"),
-    "spice": (None, "verified gold answers: the Reasoner's answer checked by rule against the Challenger's typed "
+    "spice": ("gold", "verified gold answers: the Reasoner's answer checked by rule against the Challenger's typed "
               "answer (§2.3)"),
-    "ssp": (None, "verified gold answers: the Solver's answer checked by rule against the Proposer's ground-truth "
+    "ssp": ("gold", "verified gold answers: the Solver's answer checked against the Proposer's ground-truth "
             "answer (eq. 6)"),
 }
+#: The gold-answer slice's measure: the share of a question's K answers the rule verifies (exact match per type).
+GOLD, GOLD_LABEL = "gold", "gold-answer pass rate"
+#: Each short-form benchmark's measures (`scorers.QAMetrics`): exact match and token F1.
+BENCHMARK_METRICS = {"em": "EM", "f1": "F1"}
 #: The yardstick's measures in the table's order: the rubric score, then the judge-free measures.
 MEASURES = tuple(LABELS)
 #: The comparisons of each method: trained and control against M0, trained against control.
@@ -104,6 +129,11 @@ def load_spec(path: str | Path, overrides: list[str] | dict[str, Any] | None = N
     if unknown:
         raise ParamsError(f"{path}: compare.methods names {', '.join(unknown)}: not a registered method "
                           f"({', '.join(METHODS)})")
+    short = [b for b, s in BENCHMARKS.items() if s.kind == "short_form"]
+    other = [b for b in spec.compare.benchmarks if b not in short]
+    if other:
+        raise ParamsError(f"{path}: compare.benchmarks names {', '.join(other)}: not a short-form QA benchmark "
+                          f"scored by exact match ({', '.join(short)})")
     return spec
 
 
@@ -277,14 +307,27 @@ def side_by_side(held_out: HeldOutSet, evaluations: dict[str, CheckpointEvaluati
     return examples
 
 
+@dataclass
+class Yardstick:
+    """Every answering checkpoint's evaluations, keyed `<method>` / `<method>-control` (and `before` for M0): on the
+    held-out set, on the gold-answer slice (None: `compare.gold.tasks` is 0; no evaluation when it is empty), and
+    on each benchmark (`benchmark_values`: benchmark -> metric -> item -> value); `left`: what each run left."""
+
+    held_out: HeldOutSet
+    evaluations: dict[str, CheckpointEvaluation]
+    left: dict[str, dict[str, Any]]
+    gold: HeldOutSet | None = None
+    gold_evaluations: dict[str, CheckpointEvaluation] = field(default_factory=dict)
+    benchmarks: dict[str, dict[str, dict[str, dict[str, float]]]] = field(default_factory=dict)
+
+
 def evaluate_methods(spec: Params, runs: dict[str, dict[str, Params]],
-                     lend: Callable[[dict[str, Checkpoint]], dict[str, Any]] | None = None
-                     ) -> tuple[HeldOutSet, dict[str, CheckpointEvaluation], dict[str, dict[str, Any]]]:
-    """Every run's answering checkpoint and M0 on the spec's held-out set (`learning_check.evaluate_checkpoints`: one
-    engine for all, stored evaluations read back, nothing loads when all are stored); a run that saved no weights
-    answers as M0. `lend(checkpoints)` returns models to lend the evaluation (tests, notebooks). Returns the set,
-    the evaluations keyed `<method>` / `<method>-control` (and `before` for M0), and what each run left."""
-    checkpoints: dict[str, Checkpoint] = {}
+                     lend: Callable[[dict[str, Checkpoint]], dict[str, Any]] | None = None) -> Yardstick:
+    """Every run's answering checkpoint and M0 on the spec's held-out set (`learning_check.evaluate_checkpoints`),
+    on the gold-answer slice (`gold_evaluations`) and on `compare.benchmarks` (`benchmark_values`), all through one
+    opener: one engine for all, stored results read back, nothing loads when all are stored. A run that saved no
+    weights answers as M0. `lend(checkpoints)` returns models to lend the evaluation (tests, notebooks)."""
+    checkpoints: dict[str, Checkpoint] = {"before": resolve_checkpoint(spec, "base")}
     left: dict[str, dict[str, Any]] = {}
     for method, kinds in runs.items():
         for kind, params in kinds.items():
@@ -296,11 +339,129 @@ def evaluate_methods(spec: Params, runs: dict[str, dict[str, Params]],
             if ck is not None:
                 check_training(spec, ck, "after" if kind == "trained" else "control")
                 checkpoints[key] = ck
-    lent = lend({"before": resolve_checkpoint(spec, "base"), **checkpoints}) if lend else {}
-    held_out, evaluations = evaluate_checkpoints(spec, {"before": "base", **checkpoints}, **lent)
-    for key in left:
+    checkpoints = unique_names(checkpoints)
+    lent = lend(dict(checkpoints)) if lend else {}
+    open_all = opener(spec, list(checkpoints.values()), engine=lent.get("engine"),
+                      components=lent.get("components"), policies=lent.get("policies"))
+    progress = lent.get("progress", True)
+    held_out, evaluations = evaluate_checkpoints(spec, checkpoints, opened=open_all, model_id=lent.get("model_id"),
+                                                 root=lent.get("root"), progress=progress)
+    gold, gold_evs = gold_evaluations(spec, held_out, checkpoints, open_all, progress)
+    benches = {key: {b: benchmark_values(spec, ck, b, held_out.model, open_all) for b in spec.compare.benchmarks}
+               for key, ck in checkpoints.items()}
+    for key in left:  # a run that saved no weights answers as M0
         evaluations.setdefault(key, evaluations["before"])
-    return held_out, evaluations, left
+        benches.setdefault(key, benches["before"])
+        if gold_evs:
+            gold_evs.setdefault(key, gold_evs["before"])
+    return Yardstick(held_out, evaluations, left, gold, gold_evs, benches)
+
+
+def gold_evaluations(spec: Params, held_out: HeldOutSet, checkpoints: dict[str, Checkpoint],
+                     open_all: Callable[[], dict[str, Any]], progress: bool = True
+                     ) -> tuple[HeldOutSet | None, dict[str, CheckpointEvaluation]]:
+    """The gold-answer slice (`gold_slice.gold_slice`, built once by M0 beside the held-out set) and every
+    checkpoint's K answers to its questions, as the held-out tasks are answered (`learning_check.
+    evaluate_checkpoint`: the spec's Solver prompt and budgets, the check's seeds), verified by SPICE's rule
+    (`gold_slice.grade_gold`), stored and read back as the held-out evaluations are. No slice when
+    `compare.gold.tasks` is 0; an empty slice has no evaluation (the table says why)."""
+    if not spec.compare.gold.tasks:
+        return None, {}
+    gold = gold_slice(spec, held_out, lambda: open_all()["components"], progress=progress)
+    if not gold.tasks:
+        log.warning("the gold-answer slice is %s", empty_reason(gold.summary))
+        return gold, {}
+    return gold, {key: stored_evaluation(spec, gold, ck) or evaluate_checkpoint(
+        spec, gold, open_all()["policies"][ck.name], open_all()["components"], grade=grade_gold, progress=progress)
+        for key, ck in checkpoints.items()}
+
+
+def benchmark_params(spec: Params) -> Params:
+    """The spec with `evaluation.max_examples` at `compare.benchmark_items`: the items each benchmark draws."""
+    return spec.model_copy(update={"evaluation": spec.evaluation.model_copy(
+        update={"max_examples": spec.compare.benchmark_items})})
+
+
+def benchmark_values(spec: Params, ck: Checkpoint, benchmark: str, m0: str, open_all: Callable[[], dict[str, Any]]
+                     ) -> dict[str, dict[str, float]]:
+    """A checkpoint on a short-form benchmark as `scope eval` runs it (`evaluate.select_items`, `run_solver`: the
+    benchmark's Solver prompt and §4.1's budgets, `evaluation.seeds`), scored with no judge by its official scorer
+    (`scorers.QAMetrics`: exact match and F1), in <spec run>/eval/<checkpoint>-<weights' fingerprint>/<benchmark>/
+    (a killed run resumes from its stored trajectories; a finished one is read back). Returns metric (em, f1) ->
+    item id -> its mean over the seeds."""
+    params = benchmark_params(spec)
+    items, manifest = select_items(params, benchmark)
+    name = f"{ck.name}-{checkpoint_fingerprint(ck, m0)[:12]}"
+    folder = eval_dir(params, name, benchmark)
+    summary = load_summary(params, name, benchmark)
+    if summary is None or summary["manifest"]["ids_sha256"] != manifest["ids_sha256"] or \
+            summary["seeds"] != sorted(params.evaluation.seeds) or not (folder / "items.jsonl").is_file():
+        c = open_all()["components"]
+        trajectories = run_solver(params, open_all()["policies"][ck.name], benchmark, items, retriever=c.retriever,
+                                  dialect=c.dialect, folder=folder)
+        records, scores = score_items(params, benchmark, answered_from(benchmark, items, trajectories), None,
+                                      scorers=["official"], label=name)
+        write_benchmark_results(params, folder, name, benchmark, records, scores, manifest, None)
+    per_item: dict[str, list[dict[str, float]]] = {}
+    for rec in read_jsonl(folder / "items.jsonl"):
+        per_item.setdefault(rec["item_id"], []).append(rec["scores"]["official"]["metrics"])
+    return {m: {item: sum(x[m] for x in got) / len(got) for item, got in per_item.items()} for m in BENCHMARK_METRICS}
+
+
+#: The paired comparisons of a measure: (before, after) of trained − M0, control − M0 and trained − control.
+PAIR_ROLES = {"trained": ("M0", "trained"), "control": ("M0", "control"), "over_control": ("control", "trained")}
+
+
+def paired_measure(label: str, home: bool, values: dict[str, dict[str, float]], *, n_samples: int, seed: int,
+                   note: str | None = None) -> dict[str, Any]:
+    """A measure's entry as `method_measures` writes one, from per-task values of M0, the trained Solver and the
+    control (`values`, keyed like PAIR_ROLES): their means and the three paired comparisons with the check's
+    bootstrap (`learning_check.compare_values`; None under 2 tasks); `note` says why a measure has no values."""
+    pairs = {name: compare_values(b, a, label, values[b], values[a], n_samples=n_samples, seed=seed)
+             if a in values and b in values else None for name, (b, a) in PAIR_ROLES.items()}
+    means = {who: _mean(list(v.values())) for who, v in values.items()}
+    return {"label": label, "home": home, "means": means, **{name: _pair(c) for name, c in pairs.items()},
+            **({"note": note} if note else {})}
+
+
+def yardstick_measures(spec: Params, ys: Yardstick, keys: dict[str, str], home: str | None
+                       ) -> dict[str, dict[str, Any]]:
+    """The gold-answer slice's and the benchmarks' measures of one method (`keys`: M0, trained, control -> the
+    evaluations' keys), each paired as the held-out measures are (`paired_measure`)."""
+    lc = spec.learning_check
+    pair = {"n_samples": lc.bootstrap_samples, "seed": lc.seed}
+    out: dict[str, dict[str, Any]] = {}
+    if ys.gold is not None:
+        values = {who: ys.gold_evaluations[k].values("score") for who, k in keys.items() if k in ys.gold_evaluations}
+        out[GOLD] = paired_measure(GOLD_LABEL, home == GOLD, values, **pair,
+                                   note=None if ys.gold.tasks else empty_reason(ys.gold.summary))
+    for b in spec.compare.benchmarks:
+        for metric, label in BENCHMARK_METRICS.items():
+            values = {who: ys.benchmarks[k][b][metric] for who, k in keys.items()}
+            out[f"{b}_{metric}"] = paired_measure(f"{BENCHMARKS[b].column} {label}", False, values, **pair)
+    return out
+
+
+def gold_report(spec: Params, ys: Yardstick, methods: list[str]) -> dict[str, Any] | None:
+    """The slice for the report: its numbers (questions, attempts, invalid reasons), why it is empty, and its first
+    `compare.examples` questions with their gold and the first answer (k0) of M0 and each trained method."""
+    if ys.gold is None:
+        return None
+    lc = spec.learning_check
+    summary = {**{k: v for k, v in ys.gold.summary.items() if k != "key"}, "key": ys.gold.key,
+               "samples": lc.samples, "seed": lc.seed, "empty": None if ys.gold.tasks else empty_reason(ys.gold.summary)}
+    shown = {"M0": "before", **{m: m for m in methods}}
+    rollouts = {who: first_rollouts(ys.gold.path, {"checkpoint": ev.checkpoint, "fingerprint": ev.fingerprint,
+                                                   "seed": ev.seed})
+                for who, key in shown.items() if (ev := ys.gold_evaluations.get(key)) is not None}
+    summary["examples"] = [
+        {"task_id": t.challenger_id, "document_id": t.document_id, "question": t.task, "answer_type":
+         t.gold.answer_type, "gold": gold_text(t.gold),
+         "answers": {who: {"answer": (by.get(t.challenger_id) or {}).get("answer"),
+                           "verified": (by.get(t.challenger_id) or {}).get("rubric_score")}
+                     for who, by in rollouts.items()}}
+        for t in sorted(ys.gold.tasks, key=lambda t: task_order(t.challenger_id))[:spec.compare.examples]]
+    return summary
 
 
 # -- the comparison, end to end -----------------------------------------------------------------------------------
@@ -314,13 +475,17 @@ class MethodComparison:
     held_out: dict[str, Any]
     methods: dict[str, dict[str, Any]]
     examples: list[dict[str, Any]]
+    gold_slice: dict[str, Any] | None = None  # `gold_report`: None when compare.gold.tasks is 0
+    benchmarks: dict[str, dict[str, Any]] = field(default_factory=dict)  # benchmark -> title, items, seeds
 
     def to_record(self) -> dict[str, Any]:
-        return {"spec": self.spec, "held_out": self.held_out, "methods": self.methods, "examples": self.examples}
+        return {"spec": self.spec, "held_out": self.held_out, "gold_slice": self.gold_slice,
+                "benchmarks": self.benchmarks, "methods": self.methods, "examples": self.examples}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> MethodComparison:
-        return cls(record["spec"], record["held_out"], record["methods"], record["examples"])
+        return cls(record["spec"], record["held_out"], record["methods"], record["examples"],
+                   record.get("gold_slice"), record.get("benchmarks") or {})
 
     def markdown(self) -> str:
         return comparison_markdown(self)
@@ -339,7 +504,8 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
     if prepare is not None:
         prepare(spec)
     runs = train_runs(spec, spec_path, train)
-    held_out, evaluations, left = evaluate_methods(spec, runs, lend)
+    ys = evaluate_methods(spec, runs, lend)
+    held_out, evaluations, left = ys.held_out, ys.evaluations, ys.left
     wall_file = spec.run_dir / WALL_NAME
     walls = read_json(wall_file) if wall_file.is_file() else {}
     lc = spec.learning_check
@@ -350,11 +516,13 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
             roles["control"] = evaluations[f"{method}-control"]
         check = check_of(spec, held_out, roles)
         home, trains_on = HOME_GROUND.get(method, (None, "not stated"))
+        keys = {"M0": "before", "trained": method, **({"control": f"{method}-control"} if "control" in kinds else {})}
         methods[method] = {
             "trains_on": trains_on, "home_measure": home, "params": spec.compare.methods[method],
             "runs": {kind: {**left[method if kind == "trained" else f"{method}-control"],
                             **run_costs(p, walls.get(p.run.name))} for kind, p in kinds.items()},
-            "measures": method_measures(check, method, n_samples=lc.bootstrap_samples, seed=lc.seed),
+            "measures": {**method_measures(check, method, n_samples=lc.bootstrap_samples, seed=lc.seed),
+                         **yardstick_measures(spec, ys, keys, home)},
             "verdict": check.verdict.to_record()}
     grader = held_out.grader
     comparison = MethodComparison(
@@ -369,7 +537,10 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
                   "grader_trusted": grader.trusted if grader else None},
         methods=methods,
         examples=side_by_side(held_out, {"M0": evaluations["before"],
-                                         **{m: evaluations[m] for m in runs}}, spec.compare.examples))
+                                         **{m: evaluations[m] for m in runs}}, spec.compare.examples),
+        gold_slice=gold_report(spec, ys, list(runs)),
+        benchmarks={b: {"title": BENCHMARKS[b].title, "items": spec.compare.benchmark_items,
+                        "seeds": list(spec.evaluation.seeds)} for b in spec.compare.benchmarks})
     if write:
         atomic_write_json(spec.run_dir / JSON_NAME, comparison.to_record())
         atomic_write_text(spec.run_dir / MARKDOWN_NAME, comparison.markdown())
@@ -430,12 +601,48 @@ def cost_rows(comparison: MethodComparison) -> list[dict[str, Any]]:
     return rows
 
 
+def _one_line(text: str | None) -> str:
+    return "*(no answer)*" if text is None else " ".join(text.split())[:300]
+
+
 def _markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return ["(none)"]
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_number(r[c]).replace("|", "\\|") for c in columns) + " |" for r in rows]
+    return lines
+
+
+def home_label(entry: dict[str, Any]) -> str:
+    """A method's home measure as the table names it: its label, or why there is none here."""
+    measure = entry["measures"].get(entry["home_measure"]) if entry["home_measure"] else None
+    if measure is None:
+        return "none: every measure is away" if not entry["home_measure"] else \
+            f"{entry['home_measure']} (not measured here)"
+    return measure["label"] + (f" ({measure['note']})" if measure.get("note") else "")
+
+
+def gold_text_lines(gold: dict[str, Any] | None) -> str:
+    """The gold-answer slice in one sentence: its questions and attempts, or why it is empty."""
+    if gold is None:
+        return "Gold-answer slice: none asked (compare.gold.tasks is 0)."
+    reasons = ", ".join(f"{r} ×{n}" for r, n in gold["invalid_reasons"].items()) or "none"
+    head = (f"Gold-answer slice ({gold['builder'].upper()}'s Challenger, written by M0 on the held-out documents, verified by "
+            f"rule; K = {gold['samples']}, seed {gold['seed']}, no judge): ")
+    if gold["empty"]:
+        return head + f"**{gold['empty']}**; no method is scored on it."
+    return head + (f"{gold['tasks']} question(s) from {gold['attempts']} attempt(s) on {gold['documents']} "
+                   f"document(s) ({gold['valid']} valid; invalid: {reasons}).")
+
+
+def gold_lines(comparison: MethodComparison) -> list[str]:
+    """The slice's sentence and the benchmarks', each a paragraph."""
+    lines = [gold_text_lines(comparison.gold_slice), ""]
+    if comparison.benchmarks:
+        lines += ["Short-form QA benchmarks (`scope eval`'s Solver protocol, exact match and F1, no judge): " + ", ".join(
+            f"{b['title']} ({b['items']} items × seeds {b['seeds']})" for b in comparison.benchmarks.values()) + ".",
+                  ""]
     return lines
 
 
@@ -452,16 +659,26 @@ def comparison_markdown(comparison: MethodComparison) -> str:
              f"(seed {h['seed']}), every Solver under one protocol (the spec's Solver prompt and budgets), M0's mean "
              f"rubric score {h['m0_mean_score']:.3f}; the frozen M0 grader: {h['grader'] or 'not probed'} "
              f"({'trusted' if h['grader_trusted'] else 'NOT trusted' if h['grader_trusted'] is False else '-'}); "
-             f"95% intervals from {h['bootstrap_samples']} resamples of the tasks.", "",
+             f"95% intervals from {h['bootstrap_samples']} resamples of the tasks.", "", *gold_lines(comparison),
              "## What each method trains on (home ground)", ""]
     lines += _markdown_table([{"method": m, "trains on": e["trains_on"],
-                               "home measure here": LABELS.get(e["home_measure"], "none: every measure is away"),
-                               "verdict": e["verdict"]["outcome"]} for m, e in comparison.methods.items()])
+                               "home measure here": home_label(e), "verdict": e["verdict"]["outcome"]}
+                              for m, e in comparison.methods.items()])
     lines += ["", "## The yardstick's measures (gain and 95% interval)", ""] + _markdown_table(measure_rows(comparison))
     lines += ["", "## Cost and signals", ""] + _markdown_table(cost_rows(comparison))
     lines += ["", "## Verdicts (the learning check's rule)", ""]
     lines += [f"- **{m}**: {e['verdict']['reason']}" for m, e in comparison.methods.items()]
-    lines += ["", "## Held-out answers side by side", ""]
+    lines += ["", "## Gold-answer slice: questions and first answers", ""]
+    gold = comparison.gold_slice or {}
+    for ex in gold.get("examples", []):
+        lines += [f"### {ex['task_id']} (document {ex['document_id']}, {ex['answer_type']}; gold `{ex['gold']}`)",
+                  "", *[f"> {x}".rstrip() for x in ex["question"].splitlines()], ""]
+        lines += [f"- **{who}** ({'verified' if a['verified'] else 'wrong'}): {_one_line(a['answer'])}"
+                  for who, a in ex["answers"].items()]
+        lines.append("")
+    if not gold.get("examples"):
+        lines += [gold_text_lines(comparison.gold_slice), ""]
+    lines += ["## Held-out answers side by side", ""]
     for ex in comparison.examples:
         lines += [f"### {ex['task_id']} (document {ex['document_id']})", "", f"> {ex['task']}", "", "Rubrics:"]
         lines += [f"{k}. {r}" for k, r in enumerate(ex["rubrics"], 1)] or ["(none)"]
