@@ -433,8 +433,9 @@ def yardstick_measures(spec: Params, ys: Yardstick, keys: dict[str, str], home: 
     out: dict[str, dict[str, Any]] = {}
     if ys.gold is not None:
         values = {who: ys.gold_evaluations[k].values("score") for who, k in keys.items() if k in ys.gold_evaluations}
-        out[GOLD] = paired_measure(GOLD_LABEL, home == GOLD, values, **pair,
-                                   note=None if ys.gold.tasks else empty_reason(ys.gold.summary))
+        note = empty_reason(ys.gold.summary) if not ys.gold.tasks else \
+            "one question: too few for a paired interval" if len(ys.gold.tasks) < 2 else None
+        out[GOLD] = paired_measure(GOLD_LABEL, home == GOLD, values, **pair, note=note)
     for b in spec.compare.benchmarks:
         for metric, label in BENCHMARK_METRICS.items():
             values = {who: ys.benchmarks[k][b][metric] for who, k in keys.items()}
