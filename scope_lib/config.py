@@ -217,8 +217,9 @@ class CalibrationConfig(Section):
 
 class JudgeCalibrationConfig(CalibrationConfig):
     """The frozen Judge's probes when a run opens (`judge.calibration`; not in the paper; docs/protocol.md, "Judge
-    calibration"): the per-rubric grader (`selfplay.grader_probe`), the quality gates and the rubric writer
-    (`selfplay.stage_probes`), each trusted by the same rule (separation, invalid rate)."""
+    calibration"): the per-rubric grader (`selfplay.grader_probe`), the quality gates, the rubric writer and Search
+    Self-Play's answer check (`selfplay.stage_probes`), each trusted by the same rule (separation, invalid rate). A
+    run probes the stages its method uses (`Method.judge_stages`)."""
 
     items: int = Field(
         60, ge=5, description="Probe items of the per-rubric grader, 5 per fact pair: the fact stated, reordered "
@@ -231,13 +232,19 @@ class JudgeCalibrationConfig(CalibrationConfig):
     rubric_items: int = Field(
         16, ge=2, description="Probe tasks for the rubric writer: a task about a name of a document, whose rubrics "
         "should name facts of that document (names, years, numbers) and none of another probe document's.")
+    answer_match_items: int = Field(
+        32, ge=4, description="Probe items for Search Self-Play's Correct/Wrong answer check (`ssp.answer_check: "
+        "judge`; `selfplay.stage_probes`): a cloze question on a fact of a corpus document (a name, year or number) "
+        "with that fact as the ground truth, and as the prediction the fact itself or restated (Correct), a fact of "
+        "the same kind from another document or from the same one (Wrong); 4 per document, one batched call. Probed "
+        "only by a method whose verdicts it decides (`Method.judge_stages`).")
     rubric_fact_share: float = Field(
         0.5, gt=0.0, le=1.0, description="A rubric reply counts as grounded (the probe's yes where yes is right) "
         "when at least this share of its rubrics names a fact of the source the task does not already name.")
     accept_untrusted: bool = Field(
-        False, description="`scope train` trains although a Judge stage (the grader, a gate, the rubric writer) "
-        "failed its probe; the health alarm still fires. Off: it stops before training with exit code 4. The same "
-        "as `scope train --accept-untrusted-judge`.")
+        False, description="`scope train` trains although a Judge stage (the grader, a gate, the rubric writer, the "
+        "answer check) failed its probe; the health alarm still fires. Off: it stops before training with exit code "
+        "4. The same as `scope train --accept-untrusted-judge`.")
 
 
 class JudgeConfig(Section):
@@ -297,11 +304,13 @@ class JudgeConfig(Section):
         {"critical": 1.0, "important": 0.7, "bonus": 0.3},
         description="w_k per priority when rubric_weights = 'priority'.")
     calibration: JudgeCalibrationConfig = Field(
-        default_factory=JudgeCalibrationConfig, description="Probe the per-rubric grader (fact pairs), the quality "
-        "gates and the rubric writer (tasks with known verdicts) on the corpus when a run opens and when the "
-        "learning check builds its held-out set (`selfplay.grader_probe`, `selfplay.stage_probes`); an untrusted "
-        "stage raises a health alarm (untrusted_judge, untrusted_gate, untrusted_rubric_writer) and stops `scope "
-        "train` unless accepted. Not part of the params hash: it decides no training result.")
+        default_factory=JudgeCalibrationConfig, description="Probe the Judge stages the run's method uses "
+        "(`Method.judge_stages`; SCOPE: the per-rubric grader on fact pairs, the quality gates and the rubric writer "
+        "on tasks with known verdicts; SSP with ssp.answer_check: judge: its Correct/Wrong answer check) on the "
+        "corpus when a run opens, and SCOPE's when the learning check builds its held-out set "
+        "(`selfplay.grader_probe`, `selfplay.stage_probes`); an untrusted stage raises a health alarm "
+        "(untrusted_judge, untrusted_gate, untrusted_rubric_writer, untrusted_answer_check) and stops `scope train` "
+        "unless accepted. Not part of the params hash: it decides no training result.")
 
 
 class RetrievalConfig(Section):
@@ -939,11 +948,15 @@ class Params(Section):
         return display_path(path, run_dir=self.run_dir, data_dir=self.data_dir)
 
     def to_yaml(self) -> str:
-        """The parameters as YAML; `compare` only where it names a comparison (a training run's params.yaml, and the
-        Judge probes' key read from it, stay as they were before the section existed)."""
+        """The parameters as YAML; `compare` only where it names a comparison, `judge.calibration.answer_match_items`
+        only away from its default (a training run's params.yaml, and the Judge probes' key read from it, stay as they
+        were before the section and the key existed)."""
         data = self.model_dump(mode="json")
         if self.compare == CompareConfig():
             data.pop("compare")
+        calibration = data["judge"]["calibration"]
+        if calibration["answer_match_items"] == JudgeCalibrationConfig.model_fields["answer_match_items"].default:
+            calibration.pop("answer_match_items")   # at its default: params.yaml and the probes' key as before it
         return yaml.safe_dump(data, sort_keys=False)
 
 

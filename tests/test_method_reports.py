@@ -33,9 +33,9 @@ def retriever(tmp_path_factory, wiki_sample):
 
 
 @pytest.fixture(scope="module")
-def spice_run(tmp_path_factory, wiki_sample, tiny_model_dir, retriever):
+def spice_run(tmp_path_factory, wiki_sample, tiny_model_dir):
     params = spice_params(tmp_path_factory.mktemp("spice"), wiki_sample.parent)
-    run_spice(params, tiny_model_dir, retriever, spice_script(valid_every=3))
+    run_spice(params, tiny_model_dir, spice_script(valid_every=3))   # SPICE opens no index
     return params
 
 

@@ -2,11 +2,12 @@
 tiny model with real GRPO updates of one shared adapter and a scripted engine that writes SPICE's JSON tasks and
 boxed answers: the Challenger's format choice (Figure 9), attempts drawn until one is valid and subsampled with
 their valid:invalid ratio (Algorithm 1, lines 5-6), the Reasoner trained on the K answers that scored the Challenger
-(§2.5); the records, rewards and alarms; a run whose tasks are all invalid; and a run interrupted mid-stage that
-resumes with nothing lost or duplicated."""
+(§2.5); the records, rewards and alarms; that a run opens no index (nothing of SPICE searches); a run whose tasks
+are all invalid; and a run interrupted mid-stage that resumes with nothing lost or duplicated."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from collections import defaultdict
@@ -18,8 +19,9 @@ from training_helpers import FAST, REPO, comparable, load_policy
 
 from scope_lib.config import load_params
 from scope_lib.protocol.dialects import get_dialect
-from scope_lib.retrieval.index import build_or_open_index
+from scope_lib.retrieval.index import index_path
 from scope_lib.runs import read_jsonl
+from scope_lib.selfplay.harness import NoIndex
 from scope_lib.selfplay.judge import Judge
 from scope_lib.selfplay.loop import run
 
@@ -55,26 +57,27 @@ def spice_params(tmp_path, data_dir, **overrides):
                         "selfplay.iterations": 1, **overrides})
 
 
-@pytest.fixture(scope="module")
-def retriever(tmp_path_factory, wiki_sample):
-    return build_or_open_index(spice_params(tmp_path_factory.mktemp("index"), wiki_sample.parent), progress=False)
-
-
-def run_spice(params, tiny_model_dir, retriever, script, engine_class=ScriptedEngine):
+def run_spice(params, tiny_model_dir, script, engine_class=ScriptedEngine):
+    """A SPICE run as `scope train` opens it: no index (`Method.uses_index`), the roles' retriever `NoIndex`, which
+    raises if anything searches."""
     policy = load_policy(params, tiny_model_dir)
     engine = engine_class(policy.tokenizer, DIALECT, override=script)
-    return run(params, policy=policy, engine=engine, judge=Judge(engine, params.judge, seed=0), retriever=retriever)
+    return run(params, policy=policy, engine=engine, judge=Judge(engine, params.judge, seed=0))
 
 
-def test_spice_runs_one_iteration_with_its_rewards_on_one_shared_adapter(tmp_path, wiki_sample, tiny_model_dir,
-                                                                         retriever):
+def test_spice_runs_one_iteration_with_its_rewards_on_one_shared_adapter(tmp_path, wiki_sample, tiny_model_dir):
     params = spice_params(tmp_path, wiki_sample.parent)
     assert (params.method, params.grpo.loss_type, params.grpo.scale_rewards, params.grpo.beta) == (
         "spice", "dr_grpo", "none", 0.0)
     assert (params.spice.attempts, params.spice.format_choice, params.spice.reasoner_samples) == (
         4, "challenger", "shared")
-    result = run_spice(params, tiny_model_dir, retriever, spice_script(valid_every=3))
+    result = run_spice(params, tiny_model_dir, spice_script(valid_every=3))
     assert list(result.policy.model.peft_config) == ["policy"]
+    # nothing searches: no index built, opened or checked (the stand-in raises on a search); the corpus still named
+    assert isinstance(result.retriever, NoIndex) and not index_path(params).exists()
+    manifest = json.loads((params.run_dir / "manifest.json").read_text())
+    assert manifest["index"] is None and manifest["judge_stage_calibration"] is None
+    assert manifest["corpus"]["sha256"] == hashlib.sha256(params.corpus_path.read_bytes()).hexdigest()
     folder = params.run_dir / "iter_01"
     for stage in ("challenger", "solver"):
         assert (folder / stage / "DONE").is_file()
@@ -126,9 +129,9 @@ def test_spice_runs_one_iteration_with_its_rewards_on_one_shared_adapter(tmp_pat
         params.run_dir / "health.jsonl").read_text()
 
 
-def test_a_spice_iteration_without_a_valid_task_says_so_and_goes_on(tmp_path, wiki_sample, tiny_model_dir, retriever):
+def test_a_spice_iteration_without_a_valid_task_says_so_and_goes_on(tmp_path, wiki_sample, tiny_model_dir):
     params = spice_params(tmp_path, wiki_sample.parent, **{"spice.format_choice": "apportioned"})
-    result = run_spice(params, tiny_model_dir, retriever, spice_script(valid_every=10_000))
+    result = run_spice(params, tiny_model_dir, spice_script(valid_every=10_000))
     alarms = [a["alarm"] for a in result.alarms]
     assert "no_valid_task" in alarms and "no_searches" not in alarms     # SPICE's roles never search
     assert "no_valid_task" in (params.run_dir / "health.jsonl").read_text()
@@ -244,17 +247,17 @@ RESUME = {"selfplay.steps_per_role": 2, "run.checkpoint_steps": 1}
 
 
 def test_a_spice_run_interrupted_mid_stage_resumes_with_nothing_lost_or_duplicated(tmp_path, wiki_sample,
-                                                                                    tiny_model_dir, retriever, caplog):
+                                                                                    tiny_model_dir, caplog):
     clean = spice_params(tmp_path / "clean", wiki_sample.parent, **RESUME)
-    run_spice(clean, tiny_model_dir, retriever, resume_script())
+    run_spice(clean, tiny_model_dir, resume_script())
     killed = spice_params(tmp_path / "killed", wiki_sample.parent, **RESUME)
     Killed.run_dir = killed.run_dir
     with pytest.raises(KeyboardInterrupt):
-        run_spice(killed, tiny_model_dir, retriever, resume_script(), engine_class=Killed)
+        run_spice(killed, tiny_model_dir, resume_script(), engine_class=Killed)
     stage = killed.run_dir / "iter_01" / "challenger"
     assert not (stage / "DONE").exists() and {r["step"] for r in read_jsonl(stage / "rollouts.jsonl")} == {1}
     with caplog.at_level("WARNING", logger="scope_lib.selfplay.training"):
-        run_spice(killed, tiny_model_dir, retriever, resume_script())   # as a new process: fresh policy and engine
+        run_spice(killed, tiny_model_dir, resume_script())   # as a new process: fresh policy and engine
     assert "challenger: resuming at step 1 of 2" in caplog.text
     mine, theirs = killed.run_dir / "iter_01", clean.run_dir / "iter_01"
     for name in ("challenger/formats", "challenger/attempts", "challenger/rollouts", "challenger/solver_rollouts",

@@ -485,3 +485,35 @@ def test_ssp_rewards_follow_the_judges_verdicts_in_one_call_per_batch(tmp_path, 
     assert all(a["sampled_as"] for a in answers)
     assert judge_engine.batch_sizes == [3, 6, 2]
     assert judge.stats.stage("answer_match").unparseable == 2 == unknown
+
+
+def test_an_ssp_run_with_the_judge_check_probes_its_answer_check_alone(tmp_path, wiki_sample, tiny_model_dir,
+                                                                       retriever):
+    """ssp-smoke.yaml with `-o ssp.answer_check=judge -o judge.calibration.enabled=true`: the run opens, probes SSP's
+    Correct/Wrong check (`Method.judge_stages`: answer_match) and no stage of SCOPE's Judge (every Judge stage is the
+    AnswerJudge, which takes App. E's prompt alone), writes the probe to its manifest and reads it back on resume."""
+    from scope_lib.selfplay.loop import open_run
+    from scope_lib.selfplay.stage_probes import StageProbes
+
+    params = ssp_params(tmp_path, wiki_sample.parent, **{"ssp.answer_check": "judge",
+                                                         "judge.calibration.enabled": True})
+    policy = load_policy(params, tiny_model_dir)
+    judge_engine = AnswerJudge(policy.tokenizer, DIALECT)
+
+    def open_it():
+        return open_run(params, policy=policy, engine=SspEngine(policy.tokenizer), retriever=retriever,
+                        judge=Judge(judge_engine, params.judge, seed=0))
+
+    opened = open_it()
+    manifest = json.loads((params.run_dir / "manifest.json").read_text())
+    assert manifest["judge_calibration"] is None and manifest["probes_key"]          # no grader probe
+    probes = StageProbes.from_record(manifest["judge_stage_calibration"])
+    assert probes.gates == {} and probes.rubrics is None and judge_engine.batch_sizes == [32]   # one call
+    check = probes.answer_match
+    # the scripted judge says Correct to the exact ground truth only: 8 said (yes), 8 restated (no), 16 wrong (no)
+    assert (check.n_items, check.sensitivity, check.specificity, check.separation, check.invalid_rate) == (
+        32, 0.5, 1.0, 0.5, 0.0)
+    assert check.trusted and not opened.alarms
+    open_it()                                                                         # a resume probes nothing
+    assert judge_engine.batch_sizes == [32]
+

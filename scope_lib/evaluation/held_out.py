@@ -153,7 +153,7 @@ def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> d
         "solver": p.solver.model_dump(mode="json", include={"max_prompt_tokens", "max_searches", "max_turns",
                                                             "prompt", "max_new_tokens_per_turn",
                                                             "max_response_tokens", "temperature", "top_p"}),
-        "judge": p.judge.model_dump(mode="json"),
+        "judge": p.judge.model_dump(mode="json", exclude={"calibration": {"answer_match_items"}}),  # SCOPE's stages
         "retrieval": p.retrieval.model_dump(mode="json", exclude=_RETRIEVAL_OPERATIONAL),
         "prompts": prompts.protocol_fingerprint(),
     }

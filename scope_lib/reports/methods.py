@@ -90,6 +90,13 @@ def evaluation_skips(name: str) -> dict[str, str]:
     }
 
 
+def probe_table(probes) -> Any:
+    """The Judge stages' probes a run stored (`selfplay.stage_probes.StageProbes.rows()`), one row each."""
+    import pandas as pd
+
+    return pd.DataFrame(probes.rows()).drop(columns="reasons").round(2)
+
+
 # -- the report of one method ------------------------------------------------------------------------------------
 
 
@@ -281,7 +288,12 @@ class MethodReport:
         return self.task_checks(components.params)
 
     def probe_sections(self, params: Params) -> list:
-        return [self.skips["gate_probes"]]
+        """The Judge stages the run probed when it opened (`Method.judge_stages`; SSP's answer check when it checks
+        by the judge), else the line saying why there is no probe."""
+        from scope_lib.selfplay.stage_probes import stored_stage_probes
+
+        probes = stored_stage_probes(params.run_dir)
+        return [probe_table(probes)] if probes is not None and probes.configured() else [self.skips["gate_probes"]]
 
     def example_sections(self, batch: Exploration, params: Params) -> list:
         return self.examples(params.run_dir)
@@ -382,15 +394,13 @@ class ScopeReport(MethodReport):
         return items
 
     def probe_sections(self, params: Params) -> list:
-        import pandas as pd
-
         from scope_lib.selfplay.stage_probes import stored_stage_probes
 
         probes = stored_stage_probes(params.run_dir)
         if probes is None:
             return [f"No probe of the gates stored in {params.show_path(params.run_dir)} yet: `scope train` (or "
                     "notebook 04) probes the Judge when the run opens."]
-        return [pd.DataFrame(probes.rows()).drop(columns="reasons").round(2)]
+        return [probe_table(probes)]
 
     def example_sections(self, batch: Exploration, params: Params) -> list:
         items = []
@@ -599,8 +609,10 @@ class SspReport(MethodReport):
                      ("challenger", "solver_success", "Solver success on valid questions"),
                      ("solver", "reward", "Solver reward 1[a = a*]")]
     skips = {"learning_check": learning_check_skip("SSP"),
-             "gate_probes": "SSP has no Judge, so no gate to probe: its questions pass rule filters, then RAG "
-                            "verification (a no-search answer from the Proposer's own results and noise).",
+             "gate_probes": "SSP has no Judge gate to probe: its questions pass rule filters, then RAG verification (a "
+                            "no-search answer from the Proposer's own results and noise). With ssp.answer_check: judge "
+                            "and judge.calibration.enabled, its Correct/Wrong answer check is probed when the run "
+                            "opens and shown here.",
              **evaluation_skips("SSP")}
 
     def buffer_table(self, run_dir) -> Any:

@@ -72,11 +72,21 @@ class StageSpec:
 
 class Method:
     """A self-play method over the shared harness: its name, its stages and its roles' rules. Subclasses fill
-    `name`, `stages` and `roles`; `selfplay.methods.METHODS` registers them by name (the params' `method`)."""
+    `name`, `stages` and `roles`; `selfplay.methods.METHODS` registers them by name (the params' `method`). What the
+    run opens for it is the method's too: the retrieval index (`uses_index`) and the Judge stages whose verdicts it
+    uses, which `loop.open_run` probes before they count (`judge_stages`)."""
 
     name: str = ""
     #: role name (`challenger`, `solver`, or the method's own) -> its rules.
     roles: dict[str, RoleRules] = {}
+    #: Whether a role of the method searches the corpus: when False the run opens and checks no index, and its
+    #: retriever is `NoIndex` (a search is a bug and says so).
+    uses_index: bool = True
+
+    def judge_stages(self, params: Params) -> frozenset[str]:
+        """The Judge stages whose verdicts a run of this method uses with these params (of `judge.STAGES` and
+        `judge.ANSWER_MATCH`): those `loop.open_run` probes (`judge.calibration`). None by default."""
+        return frozenset()
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
@@ -88,6 +98,19 @@ class Method:
         if role not in self.roles:
             raise ValueError(f"{self.name.upper()} has no role {role!r}; it trains {', '.join(self.roles)}")
         return self.roles[role]
+
+
+class NoIndex:
+    """The retriever of a method that searches nothing (`Method.uses_index` False): no index is built, opened or
+    checked, and a search raises instead of reading one."""
+
+    def __init__(self, method: str):
+        self.method = method
+
+    def search(self, queries: list[str], k: int | None = None) -> list:
+        raise RuntimeError(f"{self.method.upper()} searches nothing (its Method.uses_index is False, so the run "
+                           f"opened no index), yet a rollout searched {len(queries)} query(ies): a rollout limit "
+                           "lets it search (max_searches), or the method should set uses_index")
 
 
 @dataclass

@@ -24,6 +24,9 @@ WARNING and appends it to runs/<name>/health.jsonl, which notebook 04's health p
 | untrusted_rubric_writer | the rubric writer failed its calibration probe when the run opened: its    |
 |                       | rubrics do not name the source's facts, or name another document's, or do     |
 |                       | not parse (selfplay.stage_probes)                                             |
+| untrusted_answer_check | SSP's Correct/Wrong answer check (ssp.answer_check: judge) failed its        |
+|                       | calibration probe when the run opened: it cannot tell the ground truth, said |
+|                       | or restated, from another fact of its kind (selfplay.stage_probes)            |
 """
 
 from __future__ import annotations
@@ -131,21 +134,25 @@ def check_calibration(calibration: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def check_stage_calibration(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Alarms for the Judge's gate and rubric-writer probes (`selfplay.stage_probes.StageProbes.to_record()`): each
-    gate as `judge.gates_by` decides it, and the rubric writer, that is untrusted."""
+    """Alarms for the Judge's stage probes (`selfplay.stage_probes.StageProbes.to_record()`): each gate as
+    `judge.gates_by` decides it, the rubric writer and SSP's answer check, that is untrusted."""
     method = record.get("gates_by", "judge")
     found = [("untrusted_gate", gate, by_method.get(method) or {})
              for gate, by_method in record.get("gates", {}).items()]
     if record.get("rubrics"):
         found.append(("untrusted_rubric_writer", "rubrics", record["rubrics"]))
+    if record.get("answer_match"):
+        found.append(("untrusted_answer_check", "answer_match", record["answer_match"]))
     alarms = []
     for name, role, c in found:
         if c.get("trusted", True):
             continue
-        what = ("decides which tasks enter the pool and which Challenger rollouts earn a difficulty reward: check "
-                "the model, or decide the gates by rules (judge.gates_by: rules_then_judge)"
-                if name == "untrusted_gate" else "writes the rubrics every grade is measured against: check the "
-                "model and judge.rubric_prompt")
+        what = {"untrusted_gate": "decides which tasks enter the pool and which Challenger rollouts earn a "
+                "difficulty reward: check the model, or decide the gates by rules (judge.gates_by: rules_then_judge)",
+                "untrusted_rubric_writer": "writes the rubrics every grade is measured against: check the model and "
+                "judge.rubric_prompt",
+                "untrusted_answer_check": "decides RAG verification and every Solver reward of SSP: check the model "
+                "(judge.grader_model), or check answers by rule (ssp.answer_check: rule)"}[name]
         alarms.append(_alarm(name, {"role": role}, c.get("separation"), c.get("min_separation"),
                              f"the {c.get('judge', role)} ({c.get('model')}) failed its calibration probe: "
                              f"{'; '.join(c.get('reasons') or [])}. It {what} (docs/protocol.md, Judge calibration)"))

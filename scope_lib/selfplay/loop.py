@@ -3,7 +3,8 @@ stages, resumable.
 
     run(params)            # `scope train`: every iteration, resuming an interrupted run
 
-`open_run` loads what every method shares (corpus, index, policy, Judge, engines) and writes the manifest;
+`open_run` loads what every method shares (corpus, policy, Judge, engines; the index when the method searches:
+`Method.uses_index`), probes the Judge stages the method uses (`Method.judge_stages`) and writes the manifest;
 `run_iteration` calls the method's stages in order, each in its folder `runs/<name>/iter_NN/<stage>/` (SCOPE's:
 `challenger`, `pool`, `solver`; `selfplay.methods.scope`). A finished stage (DONE) is skipped. A training stage that
 was interrupted resumes from its newest mid-stage checkpoint when `run.checkpoint_steps` is set
@@ -20,6 +21,7 @@ others wait at a barrier before reading them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from scope_lib.config import Params, ParamsError, SpiceConfig, SspConfig
 from scope_lib.models.engine import Engine
@@ -28,12 +30,13 @@ from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.api import Retriever
 from scope_lib.retrieval.check import check_index
 from scope_lib.retrieval.corpus import CorpusError, empty_corpus_message, read_corpus
-from scope_lib.retrieval.index import open_retriever
+from scope_lib.retrieval.index import cached_corpus_sha256, open_retriever
 from scope_lib.runs import params_hash, read_json, write_manifest
 from scope_lib.selfplay import health, ranks
 from scope_lib.selfplay.grader_probe import Calibration, probe_self_judge
-from scope_lib.selfplay.harness import SelfPlayRun
-from scope_lib.selfplay.judge import Judge, judge_models, make_judge
+from scope_lib.selfplay.harness import NoIndex, SelfPlayRun
+from scope_lib.selfplay.judge import ANSWER_MATCH, Judge, judge_models, make_judge
+from scope_lib.selfplay.judge import STAGES as JUDGE_STAGES
 from scope_lib.selfplay.methods import method_for
 from scope_lib.selfplay.policy import Policy
 from scope_lib.selfplay.stage_probes import (
@@ -49,7 +52,8 @@ log = logging.getLogger(__name__)
 
 def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | None = None,
              retriever: Retriever | None = None, policy=None) -> SelfPlayRun:
-    """Load the corpus, index, policy (restoring the newest saved roles) and Judge; write the manifest."""
+    """Load the corpus, index (when the method searches: `Method.uses_index`), policy (restoring the newest saved
+    roles) and Judge, probe the Judge stages the method uses (`Method.judge_stages`); write the manifest."""
     method = method_for(params)  # an unknown name fails before anything loads
     ranks.init(params.run.collective_timeout_s, cpu=_on_cpu(params))
     if engine is None:
@@ -58,13 +62,7 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     passages = read_corpus(params.corpus_path, on_error=r.on_error, max_passages=r.max_passages).passages
     if not passages:  # before an index is built from it: an empty index would be kept
         raise CorpusError(empty_corpus_message(params.corpus_path, r.on_error))
-    if retriever is None:  # the main rank builds (or opens) the index first; the others then open what it built
-        retriever = open_retriever(params) if ranks.is_main() else None
-        ranks.barrier()
-        retriever = retriever or open_retriever(params)
-    report = check_index(params, retriever=retriever)  # before any GPU hour: canaries, fingerprints, results
-    log.log(logging.INFO if report.passed else logging.ERROR, "%s", report.table())  # once; a failure then says
-    report.raise_if_failed()                                                         # which rows, in one line
+    retriever = _open_index(params, retriever) if method.uses_index else NoIndex(method.name)
     if engine is None and params.engine.backend != "hf" and params.model.finetuning == "full":
         raise ParamsError("model.finetuning: full trains separate weights per role, which a LoRA-serving engine "
                           "cannot generate from: use engine.backend: hf, or LoRA (model.finetuning: lora)")
@@ -89,14 +87,17 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
 
         judge = make_judge(params, engine_for)
     fingerprint = getattr(retriever, "fingerprint", None)  # chroma: corpus, embedder and index settings
+    corpus_sha256 = (fingerprint or {}).get("corpus_sha256") if method.uses_index else cached_corpus_sha256(
+        params.corpus_path, params.run_dir)                  # no index: the run folder remembers the checksum
+    used = method.judge_stages(params)
     calibration, stages = None, None
-    if ranks.is_main() and params.judge.calibration.enabled:  # every Judge stage is probed before its verdicts count
-        calibration, stages = stored_probes(params)            # ... once per run: a resume reads them back
-        if calibration is None or stages is None:
-            calibration = probe_self_judge(params, judge, passages)
-            stages = probe_judge_stages(params, judge, passages)
+    if ranks.is_main() and params.judge.calibration.enabled and used:  # each Judge stage the method uses is probed
+        calibration, stages = stored_probes(params, used)              # before its verdicts count, once per run: a
+        if stages is None:                                             # resume reads them back
+            calibration = probe_self_judge(params, judge, passages) if "grading" in used else None
+            stages = probe_judge_stages(params, judge, passages, used)
     if ranks.is_main():
-        _write_manifest(params, judge, passages, fingerprint, calibration, stages)
+        _write_manifest(params, judge, passages, fingerprint, calibration, stages, corpus_sha256=corpus_sha256)
     ranks.barrier()
     run = SelfPlayRun(params, passages, retriever, get_dialect(params.model.dialect, params.model.base), policy,
                       judge, engine, method)
@@ -114,6 +115,19 @@ def open_run(params: Params, *, engine: Engine | None = None, judge: Judge | Non
     return run
 
 
+def _open_index(params: Params, retriever: Retriever | None) -> Retriever:
+    """The run's index (the one given, else built or opened), checked before any GPU hour: canaries, fingerprints,
+    results."""
+    if retriever is None:  # the main rank builds (or opens) the index first; the others then open what it built
+        retriever = open_retriever(params) if ranks.is_main() else None
+        ranks.barrier()
+        retriever = retriever or open_retriever(params)
+    report = check_index(params, retriever=retriever)
+    log.log(logging.INFO if report.passed else logging.ERROR, "%s", report.table())  # once; a failure then says
+    report.raise_if_failed()                                                         # which rows, in one line
+    return retriever
+
+
 def _on_cpu(params: Params) -> bool:
     import torch
 
@@ -126,20 +140,28 @@ def probes_key(params: Params) -> str:
     return params_hash(params.to_yaml())
 
 
-def stored_probes(params: Params) -> tuple[Calibration | None, StageProbes | None]:
+def stored_probes(params: Params, used: Collection[str] = JUDGE_STAGES
+                  ) -> tuple[Calibration | None, StageProbes | None]:
     """The grader's and the Judge stages' probes this run stored when it first opened (`manifest.json`), when its
-    parameters have not changed since (`probes_key`); else (None, None)."""
+    parameters have not changed since (`probes_key`) and they hold every stage of `used` (the method's
+    `judge_stages`; the grader's is None when it is not used); else (None, None)."""
     path = params.run_dir / "manifest.json"
     manifest = read_json(path, "it is rewritten when the run opens") if path.is_file() else {}
     grader, stages = manifest.get("judge_calibration"), manifest.get(MANIFEST_KEY)
-    if manifest.get("probes_key") != probes_key(params) or grader is None or stages is None:
+    if manifest.get("probes_key") != probes_key(params) or stages is None:
+        return None, None
+    probes = StageProbes.from_record(stages)
+    held = {"grading": grader is not None, "rubrics": probes.rubrics is not None,
+            ANSWER_MATCH: probes.answer_match is not None}
+    if not all(held.get(stage, True) for stage in used):
         return None, None
     log.info("the Judge's probes: read back from %s (the run resumes with the parameters it probed with)", path)
-    return Calibration.from_record(grader), StageProbes.from_record(stages)
+    return (Calibration.from_record(grader) if grader is not None and "grading" in used else None), probes
 
 
 def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: dict | None,
-                    calibration: Calibration | None = None, stages: StageProbes | None = None) -> None:
+                    calibration: Calibration | None = None, stages: StageProbes | None = None, *,
+                    corpus_sha256: str | None = None) -> None:
     started = _started_with_iterations(params)
     earlier = () if started is None else (science_yaml(params, counted_iterations=started),)
     write_manifest(params.run_dir, params.to_yaml(), science=science_yaml(params), earlier_science=earlier,
@@ -151,9 +173,9 @@ def _write_manifest(params: Params, judge: Judge, passages: list, fingerprint: d
                    judge_models=judge_models(params), index=fingerprint,
                    judge_calibration=calibration.to_record() if calibration is not None else None,
                    judge_stage_calibration=stages.to_record() if stages is not None else None,
-                   probes_key=probes_key(params) if calibration is not None else None,
+                   probes_key=probes_key(params) if stages is not None else None,
                    corpus={"path": str(params.corpus_path), "passages": len(passages),
-                           "sha256": (fingerprint or {}).get("corpus_sha256")},
+                           "sha256": corpus_sha256},
                    processes=ranks.world_size())
 
 

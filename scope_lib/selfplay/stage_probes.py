@@ -37,6 +37,25 @@ reply: `grounded` (right: yes) is yes when at least `rubric_fact_share` of its r
 (a name, year or number of `protocol.facts` that the task does not already name); `foreign` (right: no) is yes when
 any rubric names a fact of another probe document that neither the source nor the task names. A reply that does
 not parse with `judge.min_rubrics`..`max_rubrics` rubrics (3-5) after the retry makes both items invalid.
+
+**The answer-check probe.** Search Self-Play's LLM-as-a-judge (`Judge.answers_match`, SSP §3.2 and App. E: Correct or
+Wrong for a question, a predicted answer and the ground truth) on `judge.calibration.answer_match_items` items in ONE
+call. Per document, a ground truth: a fact of it (`protocol.facts.facts_of`'s names and years, or a number of at least
+two digits; the kinds in turn over the documents), the question a cloze of its sentence that holds it ("Which name
+fills the blank in this sentence: ...?"), and four predictions of known verdict:
+
+| kind           | the predicted answer                                                         | right verdict |
+|----------------|------------------------------------------------------------------------------|---------------|
+| same           | the ground truth itself                                                      | Correct       |
+| restated       | the same answer in a short sentence and another case ("It was LONDON.")      | Correct       |
+| other_document | a fact of the same kind from another probe document, which this one never    | Wrong         |
+|                | mentions                                                                     |               |
+| same_document  | another fact of the same kind from the same document (the plausible wrong    | Wrong         |
+|                | answer)                                                                      |               |
+
+No wrong answer holds the ground truth or is held by it (App. E's criterion 4 would count it Correct). A reply that
+never parses (after the retry) is invalid. A run probes the stages its method uses (`Method.judge_stages`: SCOPE the
+grader, gates and rubric writer; SSP with `ssp.answer_check: judge` the answer check).
 """
 
 from __future__ import annotations
@@ -46,18 +65,25 @@ import random
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from scope_lib.config import PAPER_TASK_TYPES, JudgeCalibrationConfig, Params
 from scope_lib.protocol import prompts
-from scope_lib.protocol.facts import NOT_NAMES, facts_of, mentions
+from scope_lib.protocol.facts import NOT_NAMES, facts_of, is_year, mentions, sentences
 from scope_lib.protocol.gate_rules import RULE_GATES, fold, mentions_folded, rule_verdicts
 from scope_lib.runs import read_json
 from scope_lib.selfplay.grader_probe import Calibration, ProbeItem, calibrate, unseen_by_teacher
-from scope_lib.selfplay.judge import ANSWERABILITY, Judge, JudgeStats, combine_gates, judge_models
+from scope_lib.selfplay.judge import (
+    ANSWER_MATCH,
+    ANSWERABILITY,
+    Judge,
+    JudgeStats,
+    combine_gates,
+    judge_models,
+)
 from scope_lib.selfplay.rollout import truncate_tokens
 
 log = logging.getLogger(__name__)
@@ -112,6 +138,12 @@ _CLEAN_NAME = re.compile(r"[^\W\d_][\w'’-]*(?: [^\W\d_][\w'’-]*){1,3}")
 _WORD = re.compile(r"[^\W\d_][\w'’-]*")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _NUMBER = re.compile(r"(?<![\w.,])\d[\d,.]*\d(?![\w])")
+#: The right verdict of each answer-check probe kind (yes = Correct).
+ANSWER_SHOULD: dict[str, bool] = {"same": True, "restated": True, "other_document": False, "same_document": False}
+#: The kinds of fact an answer-check probe's ground truth is, preferred in turn over the documents.
+FACT_KINDS: tuple[str, ...] = ("name", "year", "number")
+#: What stands for the ground truth in the probe question's sentence.
+BLANK = "____"
 
 
 class UntrustedJudge(RuntimeError):
@@ -305,6 +337,77 @@ def names_a_fact(text: str, facts: Sequence[str]) -> bool:
     return any(mentions(text, f) for f in facts)
 
 
+# -- the answer check's items ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AnswerProbe:
+    """One answer-check probe item: its kind (ANSWER_SHOULD), the question, the predicted answer and the ground
+    truth the judge compares it with."""
+
+    key: str
+    kind: str
+    question: str
+    prediction: str
+    reference: str
+
+
+def answer_facts(doc: ProbeDocument) -> list[tuple[str, str, str]]:
+    """(kind, fact, sentence) of the document's complete sentences (`protocol.facts.sentences`), in order, each fact
+    once: names and years (`facts_of`), and numbers of at least two digits that are no year."""
+    found: list[tuple[str, str, str]] = []
+    for sentence in sentences(doc.document.split("\n", 1)[-1]):
+        numbers = [("number", n) for n in _NUMBER.findall(sentence) if not is_year(n)]
+        for kind, fact in facts_of(sentence) + numbers:
+            if all(fact != f for _, f, _ in found):
+                found.append((kind, fact, sentence))
+    return found
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether one fact holds the other (an answer holding the ground truth counts as Correct: App. E)."""
+    return mentions(a, b) or mentions(b, a)
+
+
+def cloze(sentence: str, fact: str) -> str:
+    """The sentence with every occurrence of the fact (any case) blanked out."""
+    return re.sub(rf"(?<![\w]){re.escape(fact)}(?![\w])", BLANK, sentence, flags=re.IGNORECASE)
+
+
+def document_answer_probes(doc: ProbeDocument, facts: dict[str, list[tuple[str, str, str]]], rng: random.Random,
+                           prefer: str) -> list[AnswerProbe]:
+    """The four answer-check items of one document (module docstring), on its first fact of kind `prefer` (else of
+    the kinds after it in FACT_KINDS' order) that has a wrong answer of its kind from this document and from another
+    (`facts`: every probe document's `answer_facts`, by passage id); [] when none has."""
+    own = facts[doc.passage_id]
+    order = FACT_KINDS[FACT_KINDS.index(prefer):] + FACT_KINDS[:FACT_KINDS.index(prefer)]
+    for kind, truth, sentence in sorted(own, key=lambda f: order.index(f[0])):
+        same = [f for k, f, _ in own if k == kind and not overlaps(f, truth)]
+        other = same and sorted({f for pid, found in facts.items() if pid != doc.passage_id for k, f, _ in found
+                                 if k == kind and not overlaps(f, truth) and not mentions(doc.document, f)})
+        if not other:
+            continue
+        question = f"Which {kind} fills the blank in this sentence: \"{cloze(sentence, truth)}\"?"
+        predictions = {"same": truth, "restated": f"It was {truth.upper()}.", "other_document": rng.choice(other),
+                       "same_document": same[0]}
+        return [AnswerProbe(f"{doc.passage_id}/{k}", k, question, predictions[k], truth) for k in ANSWER_SHOULD]
+    return []
+
+
+def answer_probe_items(docs: Sequence[ProbeDocument], n: int, seed: int = 0) -> list[AnswerProbe]:
+    """`n` answer-check items from `docs` in order, four per document that gives them (`document_answer_probes`),
+    the ground truth's kind preferred in turn (FACT_KINDS)."""
+    facts = {d.passage_id: answer_facts(d) for d in docs}
+    rng = random.Random(f"{seed}/answer_probe")
+    items: list[AnswerProbe] = []
+    for doc in docs:
+        if len(items) >= n:
+            break
+        prefer = FACT_KINDS[len(items) // len(ANSWER_SHOULD) % len(FACT_KINDS)]
+        items += document_answer_probes(doc, facts, rng, prefer)
+    return items[:n]
+
+
 # -- the probes ------------------------------------------------------------------------------------------------
 
 
@@ -316,11 +419,13 @@ class StageProbes:
     gates_by: str
     gates: dict[str, dict[str, Calibration]] = field(default_factory=dict)
     rubrics: Calibration | None = None
+    answer_match: Calibration | None = None
 
     def configured(self) -> list[Calibration]:
-        """The calibrations that decide trust: each gate as `gates_by` decides it, and the rubric writer."""
+        """The calibrations that decide trust: each gate as `gates_by` decides it, the rubric writer and the answer
+        check (those probed)."""
         found = [by_method[self.gates_by] for by_method in self.gates.values()]
-        return found + ([self.rubrics] if self.rubrics is not None else [])
+        return found + [c for c in (self.rubrics, self.answer_match) if c is not None]
 
     def untrusted(self) -> list[Calibration]:
         return [c for c in self.configured() if not c.trusted]
@@ -333,18 +438,25 @@ class StageProbes:
                 rows.append(calibration_row(by_method[method], f"gate: {gate}", method, method == self.gates_by))
         if self.rubrics is not None:
             rows.append(calibration_row(self.rubrics, "rubric writer", "judge", True))
+        if self.answer_match is not None:
+            rows.append(calibration_row(self.answer_match, "answer check (Correct/Wrong)", "judge", True))
         return rows
 
     def to_record(self) -> dict[str, Any]:
-        return {"gates_by": self.gates_by,
-                "gates": {g: {m: c.to_record() for m, c in by.items()} for g, by in self.gates.items()},
-                "rubrics": None if self.rubrics is None else self.rubrics.to_record()}
+        """The record a manifest stores; `answer_match` only where it was probed (SCOPE's record as before it)."""
+        record = {"gates_by": self.gates_by,
+                  "gates": {g: {m: c.to_record() for m, c in by.items()} for g, by in self.gates.items()},
+                  "rubrics": None if self.rubrics is None else self.rubrics.to_record()}
+        if self.answer_match is not None:
+            record["answer_match"] = self.answer_match.to_record()
+        return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> StageProbes:
         gates = {g: {m: Calibration.from_record(c) for m, c in by.items()} for g, by in record["gates"].items()}
-        rubrics = record.get("rubrics")
-        return cls(record["gates_by"], gates, None if rubrics is None else Calibration.from_record(rubrics))
+        rubrics, answers = record.get("rubrics"), record.get("answer_match")
+        return cls(record["gates_by"], gates, None if rubrics is None else Calibration.from_record(rubrics),
+                   None if answers is None else Calibration.from_record(answers))
 
 
 def calibration_row(c: Calibration, stage: str, decided_by: str, decides: bool) -> dict[str, Any]:
@@ -432,21 +544,46 @@ def probe_rubric_writer(judge: Judge, tasks: Sequence[ProbeTask], cfg: JudgeCali
     return result
 
 
-def probe_judge_stages(params: Params, judge: Judge, passages: Sequence[Any]) -> StageProbes:
-    """The run's probes of its Judge's gates and rubric writer (`judge.calibration`): on the corpus less the
-    teacher's documents (`grader_probe.unseen_by_teacher`), in an order seeded by the document permutation's seed.
-    A run takes them when it opens (`selfplay.loop.open_run`), the learning check once per held-out set."""
+def probe_answer_check(judge: Judge, items: Sequence[AnswerProbe], cfg: JudgeCalibrationConfig, *, model: str
+                       ) -> Calibration:
+    """Search Self-Play's answer check (`Judge.answers_match`) on `items` in ONE call, as the method checks a batch:
+    Correct is the probe's yes (module docstring). Each item's `reply` holds the predicted answer it judged."""
+    verdicts, usage = _isolated_stats(judge, ANSWER_MATCH, lambda: judge.answers_match(
+        [i.question for i in items], [i.prediction for i in items], [i.reference for i in items]))
+    probes = [ProbeItem(i.key, i.kind, ANSWER_SHOULD[i.kind], yes=None if v is None else v == 1, invalid=v is None,
+                        reply=i.prediction) for i, v in zip(items, verdicts, strict=True)]
+    result = calibrate("answer check", ANSWER_MATCH, model, prompts.template_version("ssp_judge"), probes, cfg, usage)
+    if not items:
+        result.reasons.insert(0, "no probe item could be built from the corpus (no document with two facts of a kind)")
+    return result
+
+
+#: The stages `probe_judge_stages` probes unless told: SCOPE's (the learning check's held-out set is SCOPE's tasks).
+SCOPE_STAGE_PROBES = frozenset({"gates", "rubrics"})
+
+
+def probe_judge_stages(params: Params, judge: Judge, passages: Sequence[Any],
+                       stages: Collection[str] = SCOPE_STAGE_PROBES) -> StageProbes:
+    """The run's probes of the Judge `stages` its method uses (`Method.judge_stages`: of them `gates`, `rubrics` and
+    `answer_match` are probed here, the grader by `grader_probe.probe_self_judge`), with `judge.calibration`'s item
+    counts: on the corpus less the teacher's documents (`grader_probe.unseen_by_teacher`), in an order seeded by the
+    document permutation's seed. A run takes them when it opens (`selfplay.loop.open_run`), the learning check (its
+    held-out set is SCOPE's gates' and rubric writer's) once per held-out set."""
     cfg = params.judge.calibration
     unseen = unseen_by_teacher(params, passages)
     order = list(range(len(unseen)))
     random.Random(f"{params.selfplay.seed}/stage_probes").shuffle(order)
-    pool = [unseen[i] for i in order[:max(200, 8 * max(cfg.gate_items, cfg.rubric_items))]]
+    sizes = {"gates": cfg.gate_items, "rubrics": cfg.rubric_items, ANSWER_MATCH: cfg.answer_match_items}
+    pool = [unseen[i] for i in order[:max(200, 8 * max([sizes[s] for s in stages if s in sizes], default=0))]]
     docs = probe_documents(pool, judge.gate_engine.tokenizer, params.selfplay.document_max_tokens)
     models = judge_models(params)
     gates = probe_gates(judge, gate_probe_tasks(docs, cfg.gate_items, params.selfplay.seed), cfg,
-                        model=models["gates"])
-    rubrics = probe_rubric_writer(judge, rubric_probe_tasks(docs, cfg.rubric_items), cfg, model=models["rubrics"])
-    probes = StageProbes(params.judge.gates_by, gates, rubrics)
+                        model=models["gates"]) if "gates" in stages else {}
+    rubrics = probe_rubric_writer(judge, rubric_probe_tasks(docs, cfg.rubric_items), cfg,
+                                  model=models["rubrics"]) if "rubrics" in stages else None
+    answers = probe_answer_check(judge, answer_probe_items(docs, cfg.answer_match_items, params.selfplay.seed), cfg,
+                                 model=models["grading"]) if ANSWER_MATCH in stages else None
+    probes = StageProbes(params.judge.gates_by, gates, rubrics, answers)
     for c in probes.configured():
         log.info("%s calibration: %s -> %s", c.judge, c.numbers(),
                  "trusted" if c.trusted else "UNTRUSTED: " + "; ".join(c.reasons))
@@ -475,6 +612,9 @@ def refusal(untrusted: Sequence[Calibration], cfg: JudgeCalibrationConfig) -> st
     if not untrusted or cfg.accept_untrusted:
         return None
     failed = "; ".join(f"{c.judge} ({c.model}): {', '.join(c.reasons)}" for c in untrusted)
+    roles = {c.role == ANSWER_MATCH for c in untrusted}
+    tries = ["judge.gates_by: rules_then_judge for untrusted gates"] * (False in roles) + [
+        "ssp.answer_check: rule for an untrusted answer check"] * (True in roles)
     return (f"the Judge failed its calibration probe: {failed}. Its verdicts decide the run's task pool and rewards "
-            "by chance (docs/protocol.md, 'Judge calibration'). Try judge.gates_by: rules_then_judge for untrusted "
-            "gates, or train anyway with --accept-untrusted-judge (params: judge.calibration.accept_untrusted)")
+            f"by chance (docs/protocol.md, 'Judge calibration'). Try {', or '.join(tries)}, or train anyway with "
+            "--accept-untrusted-judge (params: judge.calibration.accept_untrusted)")

@@ -38,6 +38,7 @@ from scope_lib.selfplay.harness import (
     stage_seed,
     trained_summary,
 )
+from scope_lib.selfplay.judge import STAGES as JUDGE_STAGES
 from scope_lib.selfplay.rollout import (
     ChallengerPrompt,
     RolloutLimits,
@@ -319,6 +320,10 @@ class Scope(Method):
     def stages(self) -> tuple[StageSpec, ...]:
         return (StageSpec("challenger", train_challenger, trains="challenger"), StageSpec("pool", build_pool),
                 StageSpec("solver", train_solver, trains="solver"))
+
+    def judge_stages(self, params: Params) -> frozenset[str]:
+        """Every stage of the frozen Judge: its configured gates, the rubric writer and the per-rubric grader."""
+        return frozenset(JUDGE_STAGES)
 
 
 SCOPE = Scope()

@@ -412,6 +412,7 @@ class Spice(Method):
 
     name = "spice"
     roles = {"challenger": SpiceChallenger(), "solver": SpiceReasoner()}
+    uses_index = False   # the Challenger reads its document, the Reasoner answers closed-book: nothing searches
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:

@@ -70,6 +70,7 @@ from scope_lib.selfplay.harness import (
     stage_seed,
     trained_summary,
 )
+from scope_lib.selfplay.judge import ANSWER_MATCH
 from scope_lib.selfplay.rollout import (
     RolloutLimits,
     RolloutStats,
@@ -647,6 +648,10 @@ class Ssp(Method):
     def stages(self) -> tuple[StageSpec, ...]:
         return (StageSpec("challenger", train_proposer, trains="challenger"),
                 StageSpec("solver", train_solver, trains="solver"))
+
+    def judge_stages(self, params: Params) -> frozenset[str]:
+        """The LLM judge's Correct/Wrong (`Judge.answers_match`) when `ssp.answer_check` is judge; by rule, none."""
+        return frozenset({ANSWER_MATCH}) if params.ssp.answer_check == "judge" else frozenset()
 
 
 SSP = Ssp()
