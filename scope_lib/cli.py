@@ -527,14 +527,15 @@ def cmd_compare_methods(args) -> int:
     comparison = compare_methods(args.params, args.override, train=train_run, prepare=prepare)
     print(gold_text_lines(comparison.gold_slice).replace("**", ""))
     print(f"{'method':<7} {'home measure':<13} {'rubric score: trained - M0':<28} {'trained - control':<26} "
-          f"{'gold: trained - M0':<26} {'steps':>5} {'tokens':>8} {'wall s':>8}  verdict")
+          f"{'gold: trained - M0':<26} {'steps':>5} {'tokens':>8} {'wall s':>8}  {'verdict':<12} home verdict")
     for method, entry in comparison.methods.items():
         score, trained = entry["measures"]["score"], entry["runs"]["trained"]
         gold = (entry["measures"].get("gold") or {}).get("trained")
         wall = "-" if trained["wall_s"] is None else f"{trained['wall_s']:.0f}"
         print(f"{method:<7} {entry['home_measure'] or 'none':<13} {pair_text(score['trained']):<28} "
               f"{pair_text(score['over_control']):<26} {pair_text(gold):<26} {trained['steps']:>5} "
-              f"{trained['generated_tokens']:>8} {wall:>8}  {entry['verdict']['outcome']}")
+              f"{trained['generated_tokens']:>8} {wall:>8}  {entry['verdict']['outcome']:<12} "
+              f"{entry['home_verdict']['outcome']}")
     print(f"written: {spec.run_dir / JSON_NAME} and {spec.run_dir / MARKDOWN_NAME}")
     return 0
 

@@ -6,7 +6,8 @@ answering checkpoint scored on one held-out set. The engine plants one signal: S
 by name) names every entity of a held-out task, every other checkpoint answers as M0 does; so SCOPE's rubric gain
 over M0 and over its control lies above 0 and every other method's gain is exactly 0. On the gold-answer slice
 (M0 writing SPICE tasks on the held-out documents, every second attempt valid) a second signal is planted: SPICE's
-answering checkpoint answers every question right, every other checkpoint wrong. The short-form benchmarks (NQ,
+answering checkpoint answers every question right, every other checkpoint wrong, so SPICE's verdict on its home
+measure is learned while its rubric-score verdict is not. The short-form benchmarks (NQ,
 HotpotQA, four items each) are answered beside them. A second call with every run DONE trains nothing, evaluates
 nothing and writes the same table."""
 
@@ -29,24 +30,31 @@ from training_helpers import FAST, REPO, load_policy
 from scope_lib.evaluation.evaluate import Policy
 from scope_lib.evaluation.gold_slice import empty_reason, gold_folder, gold_slice
 from scope_lib.evaluation.held_out import CheckComponents, HeldOutSet
+from scope_lib.evaluation.learning_check import learning_verdict
 from scope_lib.evaluation.method_comparison import (
+    GOLD_LABEL,
     HOME_GROUND,
     JSON_NAME,
     MARKDOWN_NAME,
+    MethodComparison,
     Yardstick,
     answering_checkpoint,
     compare_methods,
+    evaluate_methods,
     gold_report,
     gold_text_lines,
+    gold_values,
     home_label,
+    home_verdict,
     load_spec,
     method_params,
+    paired_comparisons,
     read_comparison,
     yardstick_measures,
 )
 from scope_lib.protocol.dialects import get_dialect
 from scope_lib.retrieval.index import build_or_open_index
-from scope_lib.runs import read_jsonl
+from scope_lib.runs import RunError, read_jsonl
 from scope_lib.selfplay.judge import Judge
 from scope_lib.selfplay.loop import run
 
@@ -235,6 +243,18 @@ def test_every_method_and_its_control_train_under_the_spec_and_are_scored_on_one
     assert spice_gold["over_control"]["gain"] == 1.0 and spice_gold["control"]["gain"] == 0.0
     for method in ("scope", "ssp", "score"):
         assert comparison.methods[method]["measures"]["gold"]["trained"]["gain"] == 0.0
+    # two verdicts by the check's rule: on the rubric score, and on the home measure. SCOPE's and SCORE's home is
+    # the rubric score (the same verdict); SPICE's planted Solver gains 1 [1, 1] on its home slice over M0 and over
+    # its control, so it learned there, with no grader gate (no judge scores the slice); SSP's gain 0 is not learned
+    for method in ("scope", "score"):
+        assert comparison.methods[method]["home_verdict"] == {"measure": "score",
+                                                             **comparison.methods[method]["verdict"]}
+    spice_home = comparison.methods["spice"]["home_verdict"]
+    assert (spice_home["measure"], spice_home["outcome"], spice_home["gain"], spice_home["ci95"],
+            spice_home["over_control_ci95"], spice_home["judge"]) == ("gold", "learned", 1.0, [1.0, 1.0], [1.0, 1.0],
+                                                                      None)
+    assert comparison.methods["spice"]["verdict"]["outcome"] != "learned"   # its rubric gain is exactly 0
+    assert comparison.methods["ssp"]["home_verdict"]["outcome"] == "not learned"
     # the short-form benchmarks: EM and F1 of every checkpoint on the same 4 items; SPICE's Solver answers them as
     # M0 does (its planted signal is the slice's), so its gain is exactly 0
     assert set(comparison.benchmarks) == {"nq", "hotpotqa"}
@@ -256,6 +276,9 @@ def test_every_method_and_its_control_train_under_the_spec_and_are_scored_on_one
     assert "| scope | rubric score | yes |" in text and "verified gold answers" in text
     assert "| spice | gold-answer pass rate | yes | 0.000 | 1.000 | 0.000 | +1.000 [+1.000, +1.000] |" in text
     assert "| spice | NQ EM |" in text and "6 question(s) from 12 attempt(s)" in text
+    spice_row = next(line for line in text.splitlines() if line.startswith("| spice | verified gold answers"))
+    assert spice_row.endswith(f"| {comparison.methods['spice']['verdict']['outcome']} | learned |")
+    assert "- **spice** on its home measure, the gold-answer pass rate: learned: the gain +1.000" in text
     example = comparison.examples[0]
     assert list(example["answers"]) == ["M0", *METHODS] and example["rubrics"]
     assert "It is about" in example["answers"]["scope"]["answer"]
@@ -273,6 +296,30 @@ def test_a_second_call_with_every_run_done_trains_and_evaluates_nothing_and_writ
     assert json.dumps(again.to_record(), sort_keys=True) == json.dumps(first.to_record(), sort_keys=True)
 
 
+def test_the_home_verdict_on_the_gold_slice_is_the_checks_rule_without_its_judge_gates(setup, compared,
+                                                                                        tiny_tokenizer, passages):
+    """SPICE's stored slice evaluations read back (no engine call): its Solver verifies all 6 questions, M0 none.
+    Given its own Solver as the control (a control that gains as much), trained − control is 0 [0, 0]: not learned.
+    With no control the gain 1 [1, 1] is not shown (it may be drift). The same comparisons under the check's judged
+    rule are not shown (no grader probe, no judge-free measures): `judged=False` is what drops those gates."""
+    spec_path, _, spec, retriever, folder = setup
+    engines: list = []
+    runs = {"spice": {kind: method_params(spec, spec_path, "spice", control=kind == "control")
+                      for kind in ("trained", "control")}}
+    ys = evaluate_methods(spec, runs, lender(spec, retriever, passages, tiny_tokenizer, folder / "heldout", engines))
+    assert sum(e.calls for e in engines) == 0
+    as_much = home_verdict(spec, ys, {"M0": "before", "trained": "spice", "control": "spice"}, "gold", None)
+    assert (as_much["outcome"], as_much["gain"], as_much["control_gain"], as_much["over_control_ci95"]) == \
+        ("not learned", 1.0, 1.0, [0.0, 0.0])
+    alone = home_verdict(spec, ys, {"M0": "before", "trained": "spice"}, "gold", None)
+    assert alone["outcome"] == "not shown" and "without a shuffled-reward control" in alone["reason"]
+    keys = {"M0": "before", "trained": "spice", "control": "spice-control"}
+    pairs = paired_comparisons(GOLD_LABEL, gold_values(ys, keys)[0], n_samples=100, seed=0)
+    assert learning_verdict(pairs["trained"], pairs["control"]).outcome == "not shown"
+    assert learning_verdict(pairs["trained"], pairs["control"], judged=False).outcome == "learned" == \
+        home_verdict(spec, ys, keys, "gold", None)["outcome"]
+
+
 def test_the_notebooks_fixture_has_the_shape_compare_methods_writes(compared):
     """Notebook 07 reads tests/fixtures/method_comparison/ by default (nbval runs it in CI): the same keys."""
     def keys(node, depth=0):
@@ -287,6 +334,10 @@ def test_the_notebooks_fixture_has_the_shape_compare_methods_writes(compared):
     assert keys(fixture["methods"]["scope"]) == keys(made["methods"]["scope"])
     assert keys(fixture["spec"]) == keys(made["spec"]) and keys(fixture["held_out"]) == keys(made["held_out"])
     assert keys(fixture["gold_slice"]) == keys(made["gold_slice"]) and fixture["benchmarks"] == made["benchmarks"]
+    older = json.loads(json.dumps(made))  # written before home verdicts: refused, saying how to rewrite it
+    del older["methods"]["spice"]["home_verdict"]
+    with pytest.raises(RunError, match=r"none for spice\): run the same `scope compare-methods` again"):
+        MethodComparison.from_record(older)
 
 
 def test_the_compare_section_stays_out_of_training_runs_hashes_and_names_registered_methods(tmp_path):
@@ -344,6 +395,12 @@ def test_a_slice_m0_writes_no_question_for_is_empty_and_says_why(setup, tiny_tok
     assert home_label({"home_measure": "gold", "measures": {"gold": entry}}) == f"gold-answer pass rate ({why})"
     report = gold_report(spec, ys, ["spice"])
     assert report["empty"] == why and report["examples"] == [] and why in gold_text_lines(report)
+    # the home verdict on an empty slice, or on none asked: not shown, saying why
+    assert home_verdict(spec, ys, {"M0": "before", "trained": "spice"}, "gold", None) == {
+        "measure": "gold", "learned": False, "outcome": "not shown",
+        "reason": f"not shown: the gold-answer slice has no paired interval ({why})"}
+    assert home_verdict(spec, Yardstick(held_out, {}, {}), {}, "gold", None)["reason"] == \
+        "not shown: no gold-answer slice asked (compare.gold.tasks is 0)"
     again = gold_slice(spec, held_out, None, progress=False)            # read back: no model
     assert again.summary == gold.summary
 

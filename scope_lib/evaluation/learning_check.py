@@ -447,19 +447,22 @@ def interval_text(c: Comparison) -> str:
 
 def learning_verdict(trained: Comparison, control: Comparison | None = None, grader: Calibration | None = None,
                      accept_untrusted_judge: bool = False, *, over_control: Comparison | None = None,
-                     judge_free: JudgeFree | None = None) -> Verdict:
+                     judge_free: JudgeFree | None = None, judged: bool = True) -> Verdict:
     """The verdict rule (docs/training.md, "The learning check"): learned only when the trained comparison's 95%
     interval lies above 0, AND the trained checkpoint's interval against the shuffled-reward control's, paired
     over the tasks (`over_control`; derived from the two comparisons when not given), lies above 0, AND, read
     without the grader (`judge_free`), rubric-fact recall's gain interval lies above 0 and name precision's does not
     lie below 0, AND the grader that scored it passed its calibration probe (`grader`). No control, no judge-free
     measures, or no probe: "not shown". A failed probe: "not shown" whatever the interval, unless
-    `accept_untrusted_judge` (the reason says so)."""
+    `accept_untrusted_judge` (the reason says so). `judged=False` is the rule for a measure no judge scored (the
+    gold-answer slice's rule-verified pass rate, `method_comparison.home_verdict`): the two interval tests alone,
+    neither the judge-free guards nor the grader's probe, which guard against a judge."""
     if control is not None and over_control is None:
         over_control = over_control_of(trained, control)
     verdict = _gain_verdict(trained, control, over_control)
-    _judge_free_gate(verdict, judge_free)
-    grader_gate(verdict, grader, accept_untrusted_judge)
+    if judged:
+        _judge_free_gate(verdict, judge_free)
+        grader_gate(verdict, grader, accept_untrusted_judge)
     return verdict
 
 

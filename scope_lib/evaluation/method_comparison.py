@@ -29,6 +29,9 @@ read together. Here one spec (a params file with a `compare` section) fixes for 
    match and F1, `benchmark_values`), each paired the same way (`paired_measure`).
 4. **Home ground** (HOME_GROUND): SCOPE and SCORE train on judged rubric-like scores, so the rubric score is their
    home ground; SPICE and SSP train on verified gold answers, so the gold-answer slice is theirs.
+5. **Two verdicts per method**, both by the check's rule (`learning_check.learning_verdict`): on the rubric score
+   (`verdict`, the check's own) and on the method's home measure (`home_verdict`): for SCOPE and SCORE the same
+   verdict; for SPICE and SSP the gold slice's pass rate under the rule without its judge gates (no judge scored it).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from scope_lib.evaluation.learning_check import (
     CheckpointEvaluation,
     Comparison,
     LearningCheck,
+    Verdict,
     check_of,
     check_training,
     checkpoint_fingerprint,
@@ -68,12 +72,14 @@ from scope_lib.evaluation.learning_check import (
     compare_values,
     evaluate_checkpoint,
     evaluate_checkpoints,
+    learning_verdict,
     opener,
     stored_evaluation,
     unique_names,
 )
 from scope_lib.evaluation.pooled_check import LABELS, first_rollouts, task_order
 from scope_lib.runs import (
+    RunError,
     atomic_write_json,
     atomic_write_text,
     iteration_dir,
@@ -412,13 +418,20 @@ def benchmark_values(spec: Params, ck: Checkpoint, benchmark: str, m0: str, open
 PAIR_ROLES = {"trained": ("M0", "trained"), "control": ("M0", "control"), "over_control": ("control", "trained")}
 
 
+def paired_comparisons(label: str, values: dict[str, dict[str, float]], *, n_samples: int, seed: int
+                       ) -> dict[str, Comparison | None]:
+    """The three paired comparisons (PAIR_ROLES) of per-task values of M0, the trained Solver and the control
+    (`values`, keyed like PAIR_ROLES) with the check's bootstrap (`learning_check.compare_values`; None under 2
+    tasks or without one of the two)."""
+    return {name: compare_values(b, a, label, values[b], values[a], n_samples=n_samples, seed=seed)
+            if a in values and b in values else None for name, (b, a) in PAIR_ROLES.items()}
+
+
 def paired_measure(label: str, home: bool, values: dict[str, dict[str, float]], *, n_samples: int, seed: int,
                    note: str | None = None) -> dict[str, Any]:
-    """A measure's entry as `method_measures` writes one, from per-task values of M0, the trained Solver and the
-    control (`values`, keyed like PAIR_ROLES): their means and the three paired comparisons with the check's
-    bootstrap (`learning_check.compare_values`; None under 2 tasks); `note` says why a measure has no values."""
-    pairs = {name: compare_values(b, a, label, values[b], values[a], n_samples=n_samples, seed=seed)
-             if a in values and b in values else None for name, (b, a) in PAIR_ROLES.items()}
+    """A measure's entry as `method_measures` writes one, from per-task values (`paired_comparisons`): their means
+    and the three paired comparisons; `note` says why a measure has no values."""
+    pairs = paired_comparisons(label, values, n_samples=n_samples, seed=seed)
     means = {who: _mean(list(v.values())) for who, v in values.items()}
     return {"label": label, "home": home, "means": means, **{name: _pair(c) for name, c in pairs.items()},
             **({"note": note} if note else {})}
@@ -432,15 +445,48 @@ def yardstick_measures(spec: Params, ys: Yardstick, keys: dict[str, str], home: 
     pair = {"n_samples": lc.bootstrap_samples, "seed": lc.seed}
     out: dict[str, dict[str, Any]] = {}
     if ys.gold is not None:
-        values = {who: ys.gold_evaluations[k].values("score") for who, k in keys.items() if k in ys.gold_evaluations}
-        note = empty_reason(ys.gold.summary) if not ys.gold.tasks else \
-            "one question: too few for a paired interval" if len(ys.gold.tasks) < 2 else None
+        values, note = gold_values(ys, keys)
         out[GOLD] = paired_measure(GOLD_LABEL, home == GOLD, values, **pair, note=note)
     for b in spec.compare.benchmarks:
         for metric, label in BENCHMARK_METRICS.items():
             values = {who: ys.benchmarks[k][b][metric] for who, k in keys.items()}
             out[f"{b}_{metric}"] = paired_measure(f"{BENCHMARKS[b].column} {label}", False, values, **pair)
     return out
+
+
+def gold_values(ys: Yardstick, keys: dict[str, str]) -> tuple[dict[str, dict[str, float]], str | None]:
+    """Each question's pass rate for M0, the trained Solver and the control (`keys`: who -> the evaluations' keys;
+    none for an empty slice), and why the slice can have no paired interval (None when it can)."""
+    assert ys.gold is not None
+    values = {who: ys.gold_evaluations[k].values("score") for who, k in keys.items() if k in ys.gold_evaluations}
+    note = empty_reason(ys.gold.summary) if not ys.gold.tasks else \
+        "one question: too few for a paired interval" if len(ys.gold.tasks) < 2 else None
+    return values, note
+
+
+def home_verdict(spec: Params, ys: Yardstick, keys: dict[str, str], home: str | None, verdict: Verdict
+                 ) -> dict[str, Any]:
+    """A method's verdict on its home measure (HOME_GROUND) by the learning check's rule
+    (`learning_check.learning_verdict`). On the rubric score it is the check's own `verdict`. On the gold-answer
+    slice: learned only when trained − M0's and trained − control's 95% intervals over the questions both lie above
+    0 (`judged=False`: no grader's probe and no judge-free guard, since no judge scored it); no control: as the
+    rule says (a gain above 0 is not shown). No slice asked, an empty or one-question slice, or no home measure:
+    "not shown" with the reason (then the record holds `outcome` and `reason` alone, no interval)."""
+    if home == "score":  # the rubric score: the check's own verdict
+        return {"measure": home, **verdict.to_record()}
+    if home != GOLD:
+        why = "no home measure on the yardstick is stated for this method"
+    elif ys.gold is None:
+        why = "no gold-answer slice asked (compare.gold.tasks is 0)"
+    else:
+        lc = spec.learning_check
+        values, note = gold_values(ys, keys)
+        pairs = paired_comparisons(GOLD_LABEL, values, n_samples=lc.bootstrap_samples, seed=lc.seed)
+        if pairs["trained"] is not None:
+            return {"measure": GOLD, **learning_verdict(pairs["trained"], pairs["control"],
+                                                        over_control=pairs["over_control"], judged=False).to_record()}
+        why = f"the gold-answer slice has no paired interval ({note or 'no evaluation of the trained Solver'})"
+    return {"measure": home, "learned": False, "outcome": "not shown", "reason": f"not shown: {why}"}
 
 
 def gold_report(spec: Params, ys: Yardstick, methods: list[str]) -> dict[str, Any] | None:
@@ -470,7 +516,8 @@ def gold_report(spec: Params, ys: Yardstick, methods: list[str]) -> dict[str, An
 
 @dataclass
 class MethodComparison:
-    """The spec's comparison: per method its home ground, its runs (checkpoint, costs), its measures and verdict."""
+    """The spec's comparison: per method its home ground, its runs (checkpoint, costs), its measures, its verdict on
+    the rubric score and its verdict on its home measure."""
 
     spec: dict[str, Any]
     held_out: dict[str, Any]
@@ -485,6 +532,11 @@ class MethodComparison:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> MethodComparison:
+        older = [m for m, e in record["methods"].items() if "home_verdict" not in e]
+        if older:
+            raise RunError(f"this comparison was written before each method had a verdict on its home measure "
+                           f"(none for {', '.join(older)}): run the same `scope compare-methods` again (finished "
+                           "runs and stored evaluations are read back: nothing trains or evaluates again)")
         return cls(record["spec"], record["held_out"], record["methods"], record["examples"],
                    record.get("gold_slice"), record.get("benchmarks") or {})
 
@@ -497,7 +549,8 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
                     lend: Callable[[dict[str, Checkpoint]], dict[str, Any]] | None = None,
                     write: bool = True) -> MethodComparison:
     """`scope compare-methods SPEC`: every method and its control trained (or resumed, or skipped when finished),
-    scored on the held-out yardstick, one check per method (`learning_check.check_of`), written to
+    scored on the held-out yardstick, one check per method (`learning_check.check_of`) and a verdict on its home
+    measure (`home_verdict`), written to
     <spec run>/comparison.json and comparison.md. `train(params)` trains one run (`scope train`'s path);
     `prepare(spec)` readies the models the loader cannot build itself (the smoke warm start) before the yardstick
     loads M0; `lend` lends models to the evaluation (tests, notebooks)."""
@@ -524,7 +577,8 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
                             **run_costs(p, walls.get(p.run.name))} for kind, p in kinds.items()},
             "measures": {**method_measures(check, method, n_samples=lc.bootstrap_samples, seed=lc.seed),
                          **yardstick_measures(spec, ys, keys, home)},
-            "verdict": check.verdict.to_record()}
+            "verdict": check.verdict.to_record(),
+            "home_verdict": home_verdict(spec, ys, keys, home, check.verdict)}
     grader = held_out.grader
     comparison = MethodComparison(
         spec={"name": spec.run.name, "params": spec.show_path(spec_path), "model": spec.model.base,
@@ -624,6 +678,21 @@ def home_label(entry: dict[str, Any]) -> str:
     return measure["label"] + (f" ({measure['note']})" if measure.get("note") else "")
 
 
+def verdict_lines(comparison: MethodComparison) -> list[str]:
+    """Each method's two verdicts as markdown items: on the rubric score, and on its home measure (one item when the
+    rubric score is its home measure: the verdict is the same)."""
+    lines = []
+    for m, e in comparison.methods.items():
+        home = e["home_verdict"]["measure"]
+        if home == "score":
+            lines.append(f"- **{m}** on the rubric score, its home measure: {e['verdict']['reason']}")
+            continue
+        label = e["measures"][home]["label"] if home in e["measures"] else home or "none stated"
+        lines += [f"- **{m}** on the rubric score: {e['verdict']['reason']}",
+                  f"- **{m}** on its home measure, the {label}: {e['home_verdict']['reason']}"]
+    return lines
+
+
 def gold_text_lines(gold: dict[str, Any] | None) -> str:
     """The gold-answer slice in one sentence: its questions and attempts, or why it is empty."""
     if gold is None:
@@ -662,13 +731,13 @@ def comparison_markdown(comparison: MethodComparison) -> str:
              f"({'trusted' if h['grader_trusted'] else 'NOT trusted' if h['grader_trusted'] is False else '-'}); "
              f"95% intervals from {h['bootstrap_samples']} resamples of the tasks.", "", *gold_lines(comparison),
              "## What each method trains on (home ground)", ""]
-    lines += _markdown_table([{"method": m, "trains on": e["trains_on"],
-                               "home measure here": home_label(e), "verdict": e["verdict"]["outcome"]}
+    lines += _markdown_table([{"method": m, "trains on": e["trains_on"], "home measure here": home_label(e),
+                               "verdict (rubric score)": e["verdict"]["outcome"],
+                               "verdict (home measure)": e["home_verdict"]["outcome"]}
                               for m, e in comparison.methods.items()])
     lines += ["", "## The yardstick's measures (gain and 95% interval)", ""] + _markdown_table(measure_rows(comparison))
     lines += ["", "## Cost and signals", ""] + _markdown_table(cost_rows(comparison))
-    lines += ["", "## Verdicts (the learning check's rule)", ""]
-    lines += [f"- **{m}**: {e['verdict']['reason']}" for m, e in comparison.methods.items()]
+    lines += ["", "## Verdicts (the learning check's rule)", ""] + verdict_lines(comparison)
     lines += ["", "## Gold-answer slice: questions and first answers", ""]
     gold = comparison.gold_slice or {}
     for ex in gold.get("examples", []):
