@@ -311,6 +311,9 @@ def test_the_home_verdict_on_the_gold_slice_is_the_checks_rule_without_its_judge
     as_much = home_verdict(spec, ys, {"M0": "before", "trained": "spice", "control": "spice"}, "gold", None)
     assert (as_much["outcome"], as_much["gain"], as_much["control_gain"], as_much["over_control_ci95"]) == \
         ("not learned", 1.0, 1.0, [0.0, 0.0])
+    m0_as_trained = home_verdict(spec, ys, {"M0": "before", "trained": "before", "control": "spice"}, "gold", None)
+    assert m0_as_trained["outcome"] == "not learned" and "over 6 questions does not lie above 0" in \
+        m0_as_trained["reason"]  # the slice's unit, not the held-out set's "tasks"
     alone = home_verdict(spec, ys, {"M0": "before", "trained": "spice"}, "gold", None)
     assert alone["outcome"] == "not shown" and "without a shuffled-reward control" in alone["reason"]
     keys = {"M0": "before", "trained": "spice", "control": "spice-control"}

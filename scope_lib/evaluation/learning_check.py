@@ -254,6 +254,7 @@ class Comparison:
     values_after: list[float]
     ci95: tuple[float, float]
     pooled_over: str | None = None  # pooled over seeds (`evaluation.pooled_check`): "3 seeds × 48 tasks"
+    unit: str = "tasks"  # what the values are over, in words: held-out tasks, or the gold slice's "questions"
 
     @property
     def n_tasks(self) -> int:
@@ -261,8 +262,8 @@ class Comparison:
 
     @property
     def extent(self) -> str:
-        """What the comparison pairs, in words: "48 tasks", or the seeds and tasks it pools."""
-        return self.pooled_over or f"{self.n_tasks} tasks"
+        """What the comparison pairs, in words: "48 tasks" ("12 questions"), or the seeds and tasks it pools."""
+        return self.pooled_over or f"{self.n_tasks} {self.unit}"
 
     @property
     def differences(self) -> list[float]:
@@ -297,16 +298,17 @@ class Comparison:
 
 
 def compare_values(before: str, after: str, metric: str, values_before: dict[str, float | None],
-                   values_after: dict[str, float | None], *, n_samples: int = 2000, seed: int = 0
-                   ) -> Comparison | None:
+                   values_after: dict[str, float | None], *, n_samples: int = 2000, seed: int = 0,
+                   unit: str = "tasks") -> Comparison | None:
     """The paired comparison of two checkpoints' per-task values (in `values_before`'s order) over the tasks where
-    both have one (a judge-free measure can be undefined on a task); None when fewer than 2 tasks have."""
+    both have one (a judge-free measure can be undefined on a task); None when fewer than 2 tasks have. `unit`
+    names what the values are over in the verdict's words (the gold slice's "questions")."""
     ids = [t for t, v in values_before.items() if v is not None and values_after.get(t) is not None]
     if len(ids) < 2:
         return None
     vb, va = [float(values_before[t]) for t in ids], [float(values_after[t]) for t in ids]  # type: ignore[arg-type]
     differences = [a - b for a, b in zip(va, vb, strict=True)]
-    return Comparison(before, after, metric, ids, vb, va, paired_bootstrap(differences, n_samples, seed))
+    return Comparison(before, after, metric, ids, vb, va, paired_bootstrap(differences, n_samples, seed), unit=unit)
 
 
 def compare_evaluations(before: CheckpointEvaluation, after: CheckpointEvaluation, *, metric: str = "score",
@@ -333,7 +335,7 @@ def over_control_of(trained: Comparison, control: Comparison, *, n_samples: int 
     values_control = dict(zip(control.task_ids, control.values_after, strict=True))
     values_trained = dict(zip(trained.task_ids, trained.values_after, strict=True))
     return compare_values(control.after, trained.after, trained.metric, values_control, values_trained,
-                          n_samples=n_samples, seed=seed)
+                          n_samples=n_samples, seed=seed, unit=trained.unit)
 
 
 # -- the judge-free measures of a check ---------------------------------------------------------------------------
@@ -485,7 +487,7 @@ def _gain_verdict(trained: Comparison, control: Comparison | None, over: Compari
                        "-o grpo.reward_control=shuffled and give its checkpoint as the control", **common)
     if over is None or over.ci95[0] <= 0:
         return Verdict("not learned", f"not learned: the gain {interval_text(trained)} is above 0, but trained − "
-                       f"control {interval_text(over) if over else '(not 2 tasks in common)'} (the control gained "
+                       f"control {interval_text(over) if over else f'(not 2 {trained.unit} in common)'} (the control gained "
                        f"{interval_text(control)}) does not lie above 0: the trained run cannot be told from its "
                        "shuffled-reward control", **common)
     times = "the control did not gain" if ratio == math.inf else f"{ratio:.1f}x the control's {control.gain:+.3f}"

@@ -418,12 +418,12 @@ def benchmark_values(spec: Params, ck: Checkpoint, benchmark: str, m0: str, open
 PAIR_ROLES = {"trained": ("M0", "trained"), "control": ("M0", "control"), "over_control": ("control", "trained")}
 
 
-def paired_comparisons(label: str, values: dict[str, dict[str, float]], *, n_samples: int, seed: int
-                       ) -> dict[str, Comparison | None]:
+def paired_comparisons(label: str, values: dict[str, dict[str, float]], *, n_samples: int, seed: int,
+                       unit: str = "tasks") -> dict[str, Comparison | None]:
     """The three paired comparisons (PAIR_ROLES) of per-task values of M0, the trained Solver and the control
     (`values`, keyed like PAIR_ROLES) with the check's bootstrap (`learning_check.compare_values`; None under 2
-    tasks or without one of the two)."""
-    return {name: compare_values(b, a, label, values[b], values[a], n_samples=n_samples, seed=seed)
+    tasks or without one of the two); `unit`: what the values are over, in the verdict's words."""
+    return {name: compare_values(b, a, label, values[b], values[a], n_samples=n_samples, seed=seed, unit=unit)
             if a in values and b in values else None for name, (b, a) in PAIR_ROLES.items()}
 
 
@@ -481,7 +481,8 @@ def home_verdict(spec: Params, ys: Yardstick, keys: dict[str, str], home: str | 
     else:
         lc = spec.learning_check
         values, note = gold_values(ys, keys)
-        pairs = paired_comparisons(GOLD_LABEL, values, n_samples=lc.bootstrap_samples, seed=lc.seed)
+        pairs = paired_comparisons(GOLD_LABEL, values, n_samples=lc.bootstrap_samples, seed=lc.seed,
+                                   unit="questions")
         if pairs["trained"] is not None:
             return {"measure": GOLD, **learning_verdict(pairs["trained"], pairs["control"],
                                                         over_control=pairs["over_control"], judged=False).to_record()}
