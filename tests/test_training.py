@@ -12,6 +12,7 @@ import pytest
 import torch
 from training_helpers import AlternatingEngine, fast_params, load_policy
 from transformers import AutoModelForCausalLM
+from trl.trainer.utils import nanstd
 
 from scope_lib.config import ParamsError
 from scope_lib.protocol.dialects import get_dialect
@@ -29,6 +30,7 @@ from scope_lib.selfplay.training import (
     install_logprob_fallback,
     make_trainer,
     permute_rewards,
+    zero_spread_share,
 )
 
 
@@ -134,6 +136,41 @@ def test_a_grpo_step_trains_only_the_active_adapter(params, retriever, passages,
                 "time_generation_s", "time_judge_s", "time_update_s", "judge_parse_failure_rate"):
         assert metrics[key] is not None, key
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the adapters start at M0 (B = 0)
+
+
+def test_zero_spread_share_reads_flat_groups_where_trls_float32_std_does_not():
+    third = torch.tensor([[1 / 3]] * 8)                                       # one flat group of eight eq. 4 rewards
+    assert not torch.isclose(nanstd(third.view(-1, 8), dim=1), torch.zeros(1)).item()  # TRL's test: "spread"
+    assert zero_spread_share(third, 8) == 1.0
+    mixed = torch.tensor([[1 / 3]] * 4 + [[1 / 3], [0.5], [1 / 3], [1 / 3]])  # two groups of four: one flat
+    assert zero_spread_share(mixed, 4) == 0.5
+    nan = float("nan")
+    lone = torch.tensor([[nan], [nan], [0.7], [nan], [0.2], [0.2 + 1e-9], [0.9], [0.1]])   # groups of two
+    assert zero_spread_share(lone, 2) == 0.75   # unscored rows do not count; 1e-9 apart is no spread; 0.9/0.1 is
+    two = torch.tensor([[0.5, nan], [0.5, 0.25]])                             # functions are summed, NaN as 0
+    assert zero_spread_share(two, 2) == 0.0
+
+
+def test_a_step_logs_the_share_of_flat_groups(params, retriever, passages, tiny_model_dir, tmp_path, monkeypatch):
+    """Two groups of eight Challenger rollouts whose rewards are planted: one flat at eq. 4's 1/3 (no task in the
+    window), one with spread. The step's `zero_spread_share` is 0.5 (TRL's own reading was 0.0: eight is a group
+    size whose float32 mean of 1/3 rounds)."""
+    wide = params.model_copy(deep=True)
+    wide.grpo.group_size, wide.challenger.batch_size, wide.grpo.per_device_batch_size = 8, 2, 4
+    policy = load_policy(wide, tiny_model_dir)
+    ctx, items = challenger_stage(policy, retriever, passages, tmp_path)
+    earned = ctx.rules.rewards
+
+    def planted(session, trajectories, step):
+        values, numbers = earned(session, trajectories, step)   # the real step's records and numbers
+        assert len(values) == 16
+        return [1 / 3] * 8 + [1 / 3, 0.5] * 4, numbers
+
+    monkeypatch.setattr(ctx.rules, "rewards", planted)
+    session, trainer = build_trainer(ctx, items)
+    trainer.train()
+    (metrics,) = list(session.metrics)
+    assert metrics["zero_spread_share"] == 0.5
 
 
 def test_adapters_save_and_load(params, retriever, passages, tiny_model_dir, tmp_path):

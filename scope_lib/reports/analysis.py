@@ -391,7 +391,7 @@ LEARNING_SIGNALS = {"zero_spread_share": "share of zero-spread groups", "entropy
 
 def learning_signals_figure(metrics) -> Any:
     """Notebook 04's "Learning signals per GRPO step": per role, the share of groups whose rollouts all scored
-    alike (TRL's frac_reward_zero_std: their advantages are 0), the policy's sampling entropy (TRL's entropy) and
+    alike (`training.zero_spread_share`: their advantages are 0), the policy's sampling entropy (TRL's entropy) and
     the mean reward, one panel each, with the `mostly_zero_spread` alarm's share drawn; None without steps."""
     from plotly.subplots import make_subplots
 

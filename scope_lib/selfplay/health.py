@@ -44,7 +44,7 @@ TRUNCATED_SHARE = 0.90
 JUDGE_FAILURE_SHARE = 0.20
 #: mostly_zero_spread: the share of zero-spread groups that counts as "most" ...
 ZERO_SPREAD_MOST = 0.5
-#: ... and how many steps running it must hold (TRL's `frac_reward_zero_std`, our `zero_spread_share`).
+#: ... and how many steps running it must hold (`zero_spread_share`: `training.zero_spread_share`).
 ZERO_SPREAD_STEPS = 3
 
 

@@ -248,16 +248,21 @@ def _trainer_class():
         def _scored(self, inputs):
             """TRL's generation and scoring; with `reinforce`, each row's advantage is its reward as the method
             gave it (already centred by its own baseline, e.g. SCORE's EMA), with no group normalisation: TRL's
-            group of one would centre every reward to 0. A row that was not scored gets 0."""
+            group of one would centre every reward to 0. A row that was not scored gets 0. The logged share of
+            rows without signal (TRL's `frac_reward_zero_std`) is ours: `zero_spread_share`."""
             out = super()._generate_and_score_completions(inputs)
+            metrics = self._metrics["train" if self.model.training else "eval"]
             if self.reinforce:
                 start = self.accelerator.process_index * len(inputs)
                 given = self._given_rewards[start:start + len(inputs)].nansum(dim=1)
                 unscored = torch.isnan(self._given_rewards[start:start + len(inputs)]).all(dim=1)
                 out["advantages"] = given.masked_fill(unscored, 0.0).to(out["advantages"].device)
-                metrics = self._metrics["train" if self.model.training else "eval"]
-                if metrics.get("frac_reward_zero_std"):  # TRL's "no spread" means nothing for a group of one:
-                    metrics["frac_reward_zero_std"][-1] = float((out["advantages"] == 0).float().mean())  # no signal
+                share = float((out["advantages"] == 0).float().mean())  # a group of one: no signal is A = 0
+            else:
+                share = zero_spread_share(self._given_rewards * self.reward_weights.to(self._given_rewards.device),
+                                          self.num_generations)
+            if metrics.get("frac_reward_zero_std"):
+                metrics["frac_reward_zero_std"][-1] = share
             return out
 
         def _generate_and_score_completions(self, inputs):
@@ -327,6 +332,25 @@ def _trainer_class():
                                                                batch_size=size)[0]
 
     return ScopeGRPOTrainer
+
+
+#: Rewards of one group closer than this count as equal (what TRL's float32 rewards can tell apart is ~1e-7).
+SPREAD_TOLERANCE = 1e-6
+
+
+def zero_spread_share(rewards: torch.Tensor, group: int) -> float:
+    """The share of rows whose GRPO group has no reward spread (its advantages are 0: no signal), from the
+    rewards TRL received (rows x reward functions, groups of `group` consecutive rows; a row that every function
+    left unscored is NaN and does not count as a member). A group is flat when its scored members' rewards span at
+    most `SPREAD_TOLERANCE`, or fewer than two members were scored. TRL's own `frac_reward_zero_std` tests the
+    float32 std against 0 with `isclose`'s 1e-8, which the rounding of the group mean defeats: eight rewards of 1/3
+    have a std of 3e-8, so a flat Challenger group (every eq. 4 reward 1/3) read as having spread."""
+    rows = torch.where(torch.isnan(rewards).all(dim=1), torch.nan, rewards.nansum(dim=1)).view(-1, group)
+    scored = ~torch.isnan(rows)
+    high = rows.masked_fill(~scored, -math.inf).max(dim=1).values
+    low = rows.masked_fill(~scored, math.inf).min(dim=1).values
+    flat = (scored.sum(dim=1) < 2) | (high - low <= SPREAD_TOLERANCE)
+    return float(flat.float().mean())
 
 
 def importance_ratio(logp_diff: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None,
