@@ -40,7 +40,7 @@ demo-smollm: $(STAMP)
 # on its rewards and on the Solver's rewards shuffled (the control: the same Challenger and task pool), on three seeds
 # (grpo.seed: the GRPO stages' sampling and permutations), then each checked on 48 held-out tasks
 # (`scope learning-check compare`, written to runs/<name>/learning_check/). SEEDS=42 runs one seed: about 1 h 5 min
-# on 2 cores (docs/training.md, "The learning check on SmolLM2"), plus about 41 minutes once for the held-out set.
+# on 2 AVX-512 cores (docs/training.md, "The learning check on SmolLM2"), plus about 41 minutes once for the held-out set.
 # Then the seeds pooled (`scope learning-check pool`: seeds, then tasks; the pooled verdict) and the first three
 # held-out tasks' answers verbatim (`scope learning-check examples`), both under runs/learning_check_pooled/.
 SEEDS ?= 42 43 44
