@@ -395,7 +395,7 @@ def _challenger_compare(args, params) -> int:
         print(f"judge: {c.judge}: {c.numbers()} -> {'trusted' if c.trusted else 'UNTRUSTED'}")
     print(check.verdict.reason)
     after, before = check.evaluations["after"].challenger, check.evaluations["before"].challenger
-    print(f"written: {check_path(params, after, before, check.solver)}")
+    print(f"written: {check_path(params, after, before, check.solver, metric)}")
     return 0
 
 
@@ -412,7 +412,7 @@ def cmd_check_play(args) -> int:
 
 
 def cmd_check_compare(args) -> int:
-    from scope_lib.evaluation.learning_check import run_check
+    from scope_lib.evaluation.learning_check import check_path, run_check
 
     params = _torch_params(args, models=True)
     if args.accept_untrusted_judge:
@@ -441,7 +441,7 @@ def cmd_check_compare(args) -> int:
         g = check.held_out.grader
         print(f"judge: the frozen grader's calibration probe: {g.numbers()} -> {'trusted' if g.trusted else 'UNTRUSTED'}")
     print(check.verdict.reason)
-    print(f"written: {params.run_dir / 'learning_check' / f'{check.trained.after}-vs-{check.trained.before}.json'}")
+    print(f"written: {check_path(params, check.trained.after, check.trained.before, args.metric)}")
     return 0
 
 

@@ -314,7 +314,13 @@ def test_scope_learning_check_compare_role_challenger_and_play(params, retriever
     assert len(written["evaluations"]["after"]["documents"]) == 12 and written["solver"] == "base"
     calls = scripted.calls
     assert main(args + ["--control", str(control)]) == 0 and scripted.calls == calls and len(opened) == 1
-    capsys.readouterr()
+    # a verdict on |ḡ − τ| from the stored tasks: its own file, the window share's left as it was
+    assert main(args + ["--control", str(control), "--metric", "distance"]) == 0 and scripted.calls == calls
+    folder = run.run_dir / "learning_check"
+    assert "challenger-iter_01-challenger-vs-base-solver-base-distance.json" in capsys.readouterr().out
+    by_distance = json.loads((folder / "challenger-iter_01-challenger-vs-base-solver-base-distance.json").read_text())
+    kept = json.loads((folder / "challenger-iter_01-challenger-vs-base-solver-base.json").read_text())
+    assert by_distance["metric"] == "distance" and kept["metric"] == "in_window" and kept == written
     # cross-checkpoint play: Challengers down, Solvers across; the strong Solver solves every task
     play = ["learning-check", "play", str(tmp_path / "p.yaml"), "--challenger", "base", "iter_01/challenger",
             "--solver", "base", "iter_01/solver"]

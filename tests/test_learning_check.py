@@ -494,6 +494,13 @@ def test_scope_learning_check_compare(params, retriever, passages, tiny_tokenize
     calls = scripted.calls
     assert main(args + ["--control", str(control)]) == 0                      # everything stored: nothing opened
     assert scripted.calls == calls and len(opened) == 1 and "learned: the gain" in capsys.readouterr().out
+    # a verdict on the success rate from the stored answers: its own file, the rubric score's left as it was
+    assert main(args + ["--control", str(control), "--metric", "success"]) == 0 and scripted.calls == calls
+    assert "iter_01-solver-vs-base-success.json" in capsys.readouterr().out
+    folder = run.run_dir / "learning_check"
+    assert json.loads((folder / "iter_01-solver-vs-base-success.json").read_text())["trained"]["metric"] == "success"
+    assert json.loads((folder / "iter_01-solver-vs-base.json").read_text()) == written
+    (folder / "iter_01-solver-vs-base-success.json").unlink()     # the pool below reads the folder's one check
     # the written check pooled (one seed) and its first held-out answers shown verbatim: stored files, no model
     assert main(["learning-check", "pool", str(run.run_dir), "--bootstrap-samples", "500"]) == 0
     pooled = capsys.readouterr().out

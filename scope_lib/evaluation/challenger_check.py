@@ -503,8 +503,10 @@ class ChallengerCheck:
                 "verdict": self.verdict.to_record()}
 
 
-def check_path(params: Params, after: str, before: str, solver: str) -> Path:
-    return params.run_dir / "learning_check" / f"challenger-{after}-vs-{before}-solver-{solver}.json"
+def check_path(params: Params, after: str, before: str, solver: str, metric: str = "in_window") -> Path:
+    """Where a Challenger check is written; a verdict on `distance` gets its own file beside the window share's."""
+    suffix = "" if metric == "in_window" else f"-{metric}"
+    return params.run_dir / "learning_check" / f"challenger-{after}-vs-{before}-solver-{solver}{suffix}.json"
 
 
 def run_challenger_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
@@ -514,7 +516,8 @@ def run_challenger_check(params: Params, after: str | Checkpoint, *, before: str
     """`scope learning-check compare --role challenger`: the Challengers `before` (M0's), `after`, and the optional
     shuffled-reward `control` and `frozen` Challenger, each writing on the held-out documents, answered by `solver`
     (`evaluate_play`, which takes `lent` models); every measure paired over the documents; the verdict; written to
-    <run>/learning_check/challenger-<after>-vs-<before>-solver-<solver>.json."""
+    <run>/learning_check/challenger-<after>-vs-<before>-solver-<solver>.json (`-distance` before .json when the
+    verdict reads |ḡ − τ|)."""
     if metric not in BETTER:
         raise ValueError(f"metric {metric!r}: choose {' or '.join(BETTER)}")
     specs = {"before": before, "after": after, **({"control": control} if control is not None else {}),
@@ -541,7 +544,7 @@ def run_challenger_check(params: Params, after: str | Checkpoint, *, before: str
              evaluations["before"].challenger, check.solver, verdict.reason)
     if write:
         atomic_write_json(check_path(params, evaluations["after"].challenger, evaluations["before"].challenger,
-                                     check.solver), check.to_record())
+                                     check.solver, metric), check.to_record())
     return check
 
 

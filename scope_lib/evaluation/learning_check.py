@@ -718,12 +718,19 @@ def check_of(params: Params, held_out: HeldOutSet, evaluations: dict[str, Checkp
     return check
 
 
+def check_path(params: Params, after: str, before: str, metric: str = "score") -> Path:
+    """Where a Solver check is written; a verdict on `success` gets its own file beside the rubric score's."""
+    suffix = "" if metric == "score" else f"-{metric}"
+    return params.run_dir / "learning_check" / f"{after}-vs-{before}{suffix}.json"
+
+
 def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
               control: str | Checkpoint | None = None, metric: str = "score", write: bool = True,
               **lent: Any) -> LearningCheck:
     """`scope learning-check compare`: `before`, `after` and the optional shuffled-reward `control` evaluated on the
     held-out set (`evaluate_checkpoints`, which takes `lent` models), the paired comparisons with `before`, and
-    the verdict, written to <run>/learning_check/<after>-vs-<before>.json. Refuses a checkpoint whose run could
+    the verdict, written to <run>/learning_check/<after>-vs-<before>.json (`-success` before .json when the verdict
+    reads the success rate). Refuses a checkpoint whose run could
     have trained on the held-out documents, or whose run's `grpo.reward_control` says it plays the other role."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
@@ -731,8 +738,7 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
     held_out, evaluations = evaluate_checkpoints(params, specs, **lent)
     check = check_of(params, held_out, evaluations, metric)
     if write:
-        atomic_write_json(params.run_dir / "learning_check" / f"{check.trained.after}-vs-{check.trained.before}.json",
-                          check.to_record())
+        atomic_write_json(check_path(params, check.trained.after, check.trained.before, metric), check.to_record())
     return check
 
 
