@@ -68,6 +68,7 @@ from scope_lib.evaluation.learning_check import (
     CheckpointEvaluation,
     Comparison,
     Verdict,
+    check_file,
     check_training,
     checkpoint_fingerprint,
     checkpoint_training,
@@ -505,8 +506,7 @@ class ChallengerCheck:
 
 def check_path(params: Params, after: str, before: str, solver: str, metric: str = "in_window") -> Path:
     """Where a Challenger check is written; a verdict on `distance` gets its own file beside the window share's."""
-    suffix = "" if metric == "in_window" else f"-{metric}"
-    return params.run_dir / "learning_check" / f"challenger-{after}-vs-{before}-solver-{solver}{suffix}.json"
+    return check_file(params, f"challenger-{after}-vs-{before}-solver-{solver}", metric, "in_window")
 
 
 def run_challenger_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",

@@ -718,10 +718,15 @@ def check_of(params: Params, held_out: HeldOutSet, evaluations: dict[str, Checkp
     return check
 
 
+def check_file(params: Params, stem: str, metric: str, default: str) -> Path:
+    """<run>/learning_check/<stem>.json for the role's default metric, <stem>-<metric>.json for another, so that
+    verdicts on two metrics sit side by side (the Solver's and the Challenger's checks alike)."""
+    return params.run_dir / "learning_check" / f"{stem}{'' if metric == default else f'-{metric}'}.json"
+
+
 def check_path(params: Params, after: str, before: str, metric: str = "score") -> Path:
     """Where a Solver check is written; a verdict on `success` gets its own file beside the rubric score's."""
-    suffix = "" if metric == "score" else f"-{metric}"
-    return params.run_dir / "learning_check" / f"{after}-vs-{before}{suffix}.json"
+    return check_file(params, f"{after}-vs-{before}", metric, "score")
 
 
 def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoint = "base",
@@ -730,8 +735,8 @@ def run_check(params: Params, after: str | Checkpoint, *, before: str | Checkpoi
     """`scope learning-check compare`: `before`, `after` and the optional shuffled-reward `control` evaluated on the
     held-out set (`evaluate_checkpoints`, which takes `lent` models), the paired comparisons with `before`, and
     the verdict, written to <run>/learning_check/<after>-vs-<before>.json (`-success` before .json when the verdict
-    reads the success rate). Refuses a checkpoint whose run could
-    have trained on the held-out documents, or whose run's `grpo.reward_control` says it plays the other role."""
+    reads the success rate). Refuses a checkpoint whose run could have trained on the held-out documents, or whose
+    run's `grpo.reward_control` says it plays the other role."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose {' or '.join(METRICS)}")
     specs = {"before": before, "after": after, **({"control": control} if control is not None else {})}
