@@ -366,6 +366,24 @@ def test_the_compare_section_stays_out_of_training_runs_hashes_and_names_registe
                       REPO / "params" / "compare-smoke.yaml", "spice")
 
 
+def test_the_specs_checkpoint_steps_reach_every_run_and_leave_its_parameter_hash_alone():
+    """`run.checkpoint_steps` set in the spec reaches every method's run and control (a comparison stopped mid-stage
+    resumes at its last step, whatever the method's own file says), and a run's parameter hash is the same with it
+    or without it, so it can be set on a stopped comparison."""
+    from scope_lib.config import load_params
+    from scope_lib.selfplay.loop import science_yaml
+
+    path = REPO / "params" / "compare-smoke.yaml"
+    plain, saving = load_params(path), load_params(path, ["run.checkpoint_steps=1"])
+    for method in METHODS:
+        for control in (False, True):
+            before = method_params(plain, path, method, control=control)
+            after = method_params(saving, path, method, control=control)
+            assert (before.run.checkpoint_steps, after.run.checkpoint_steps) == (0, 1), (method, control)
+            assert science_yaml(before) == science_yaml(after), (method, control)
+    assert load_params(REPO / "params" / "compare-smollm.yaml").run.checkpoint_steps == 1
+
+
 def slice_parts(setup, tokenizer, passages, tmp_path, override, crash_at=None, **gold):
     """The spec with `compare.gold` set (no benchmarks), a held-out set's folder of its own, and M0's components on
     a scripted engine whose Challenger follows `override` (dying at its `crash_at`-th call)."""

@@ -92,10 +92,11 @@ log = logging.getLogger(__name__)
 
 #: Sections the spec sets whole on every method: one corpus and index, one held-out set, one machine.
 SHARED_SECTIONS = ("retrieval", "learning_check", "engine")
-#: Keys the spec sets on every method: M0, the seeds, the budget and where runs and data live.
+#: Keys the spec sets on every method: M0, the seeds, the budget, where runs and data live and how often a stage
+#: saves a resumable checkpoint (`run.checkpoint_steps`, outside the parameter hash: it changes no result).
 SHARED_KEYS = ("model.base", "model.dialect", "model.dtype", "model.max_model_len", "model.tiny", "model.warm_start",
                "selfplay.seed", "grpo.seed", "selfplay.iterations", "selfplay.steps_per_role",
-               "selfplay.challenger_steps", "run.runs_dir", "run.data_dir")
+               "selfplay.challenger_steps", "run.runs_dir", "run.data_dir", "run.checkpoint_steps")
 #: The budget: optimiser steps per role (iterations x steps per role; the Challenger's where they differ).
 BUDGET = ("selfplay.iterations", "selfplay.steps_per_role", "selfplay.challenger_steps")
 #: What each method trains on, and which of the yardstick's measures is its home ground (None: none is).
