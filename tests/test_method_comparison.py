@@ -384,6 +384,27 @@ def test_the_specs_checkpoint_steps_reach_every_run_and_leave_its_parameter_hash
     assert load_params(REPO / "params" / "compare-smollm.yaml").run.checkpoint_steps == 1
 
 
+def test_the_warm_start_is_left_to_the_runs_own_processes(tmp_path):
+    """`compare_methods` prepares M0 (the warm start, built when not cached) only after every run has trained: a
+    run's own `scope train` process builds it and gives the memory back when it ends, so the comparison's process,
+    which lives through every run, never holds an SFT's memory beside a training run."""
+    from scope_lib.evaluation.method_comparison import compare_methods
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def train(params):
+        calls.append(("train", params.run.name))
+        raise Stop
+
+    with pytest.raises(Stop):
+        compare_methods(REPO / "params" / "compare-smoke.yaml", {"run.runs_dir": str(tmp_path)}, train=train,
+                        prepare=lambda spec: calls.append(("prepare", spec.run.name)), write=False)
+    assert calls == [("train", "compare-smoke-scope")]
+
+
 def slice_parts(setup, tokenizer, passages, tmp_path, override, crash_at=None, **gold):
     """The spec with `compare.gold` set (no benchmarks), a held-out set's folder of its own, and M0's components on
     a scripted engine whose Challenger follows `override` (dying at its `crash_at`-th call)."""

@@ -554,12 +554,15 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
     scored on the held-out yardstick, one check per method (`learning_check.check_of`) and a verdict on its home
     measure (`home_verdict`), written to
     <spec run>/comparison.json and comparison.md. `train(params)` trains one run (`scope train`'s path);
-    `prepare(spec)` readies the models the loader cannot build itself (the smoke warm start) before the yardstick
-    loads M0; `lend` lends models to the evaluation (tests, notebooks)."""
+    `prepare(spec)` readies the models the loader cannot build itself (the smoke warm start) after the runs have
+    trained and before the yardstick loads M0: a warm start not yet built is built by the first run's own process,
+    which gives its memory back when it ends, never by this one, which lives through every run (SmolLM2's SFT keeps
+    about 13 GB, and a second process beside it ran a 24 GB machine out of memory); `lend` lends models to the
+    evaluation (tests, notebooks)."""
     spec = load_spec(spec_path, overrides)
+    runs = train_runs(spec, spec_path, train)
     if prepare is not None:
         prepare(spec)
-    runs = train_runs(spec, spec_path, train)
     ys = evaluate_methods(spec, runs, lend)
     held_out, evaluations, left = ys.held_out, ys.evaluations, ys.left
     wall_file = spec.run_dir / WALL_NAME
