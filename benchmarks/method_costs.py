@@ -4,15 +4,15 @@ within 20% a step, so that no method pays for another's machinery).
     python benchmarks/method_costs.py SPEC [-o key=value ...] [--methods spice ssp ...] [--repeats N] [--out FILE.json]
 
 SPEC is a `scope compare-methods` spec whose runs have finished (`scope compare-methods SPEC` first, with the same
-overrides). For each of its
-methods this trains the method's own params file alone, as a user would (`scope train params/<method file>` in a
-process of its own), with the spec's budget and seeds (`method_comparison.BUDGET`, `selfplay.seed`, `grpo.seed`)
-and nothing else of the spec, `--repeats` times, then prints, per training stage, the optimiser steps, the tokens
-generated and the seconds a step took in the comparison's run and in its own (the median and the range over the
-repeats: the same command's step time varies by a fifth between processes on sub-second tiny-model steps), with the
-ratio of the comparison's to the own runs' median. The comparison lays the spec's shared
-sections over the method's file (one corpus and index, one held-out reservation, one engine), so a step's work may
-differ a little: the tokens generated say by how much. Run it with nothing else on the machine. Asserts nothing.
+overrides). For each of its methods this trains the method's own params file alone, as a user would (`scope train
+params/<method file>` in a process of its own), with the spec's budget and seeds (`method_comparison.BUDGET`,
+`selfplay.seed`, `grpo.seed`) and nothing else of the spec, `--repeats` times. It then prints, per training stage,
+the optimiser steps, the tokens generated and the seconds a step took in the comparison's run and in the own runs
+(their median and range: the same command's step time varies by a fifth between processes on sub-second
+tiny-model steps), with the ratio of the comparison's to the own runs' median. The comparison lays the spec's
+shared sections over the method's file (one corpus and index, one held-out reservation, one engine), so a step's
+work may differ a little: the tokens generated say by how much. Run it with nothing else on the machine. Asserts
+nothing.
 """
 
 from __future__ import annotations
