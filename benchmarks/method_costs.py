@@ -27,15 +27,15 @@ import time
 from pathlib import Path
 
 from scope_lib.config import load_params
-from scope_lib.evaluation.method_comparison import BUDGET, load_spec, method_params, run_costs, run_finished
+from scope_lib.evaluation.method_comparison import (
+    BUDGET,
+    dotted_value,
+    load_spec,
+    method_params,
+    run_costs,
+    run_finished,
+)
 from scope_lib.models.cpu import cpu_description
-
-
-def _value(params, key: str):
-    node = params
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
 
 
 def own_run(spec, spec_path: Path, method: str, runs_dir: Path) -> tuple[object, float]:
@@ -43,7 +43,7 @@ def own_run(spec, spec_path: Path, method: str, runs_dir: Path) -> tuple[object,
     own_file = spec_path.parent / spec.compare.methods[method]
     keys = (*BUDGET, "selfplay.seed", "grpo.seed")
     overrides = [f"run.runs_dir={runs_dir}", f"run.name=own-{method}",
-                 *(f"{k}={json.dumps(_value(spec, k))}" for k in keys)]
+                 *(f"{k}={json.dumps(dotted_value(spec, k))}" for k in keys)]
     params = load_params(own_file, overrides)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "scope_lib.cli", "train", str(own_file),

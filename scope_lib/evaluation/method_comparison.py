@@ -144,7 +144,8 @@ def load_spec(path: str | Path, overrides: list[str] | dict[str, Any] | None = N
     return spec
 
 
-def _dotted(params: Params, key: str) -> Any:
+def dotted_value(params: Params, key: str) -> Any:
+    """The value at a dotted key of `params` (`selfplay.seed`), a section as its JSON-ready dict."""
     node: Any = params
     for part in key.split("."):
         node = getattr(node, part)
@@ -155,7 +156,7 @@ def method_params(spec: Params, spec_path: str | Path, method: str, *, control: 
     """`method`'s params file (relative to the spec's folder) with the spec's shared sections and keys, its run
     named `<spec name>-<method>[-control]` (the control: `grpo.reward_control: shuffled`) and the index in the
     spec's index folder (`retrieval.index_dir`, default <spec run>/index) for all."""
-    shared = {s: _dotted(spec, s) for s in SHARED_SECTIONS} | {k: _dotted(spec, k) for k in SHARED_KEYS}
+    shared = {s: dotted_value(spec, s) for s in SHARED_SECTIONS} | {k: dotted_value(spec, k) for k in SHARED_KEYS}
     shared["retrieval"]["index_dir"] = spec.retrieval.index_dir or str(spec.run_dir / "index")
     shared["run.name"] = f"{spec.run.name}-{method}" + ("-control" if control else "")
     shared["grpo.reward_control"] = "shuffled" if control else "none"
@@ -588,7 +589,7 @@ def compare_methods(spec_path: str | Path, overrides: list[str] | dict[str, Any]
     comparison = MethodComparison(
         spec={"name": spec.run.name, "params": spec.show_path(spec_path), "model": spec.model.base,
               "corpus": spec.retrieval.corpus, "index": spec.retrieval.backend, "selfplay_seed": spec.selfplay.seed,
-              "grpo_seed": spec.grpo.seed, "budget": {k: _dotted(spec, k) for k in BUDGET},
+              "grpo_seed": spec.grpo.seed, "budget": {k: dotted_value(spec, k) for k in BUDGET},
               "controls": spec.compare.controls},
         held_out={"tasks": len(held_out.tasks), "samples": lc.samples, "seed": lc.seed,
                   "key": held_out.key, "bootstrap_samples": lc.bootstrap_samples,
