@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from scope_lib.runs import RecordLog, RunError, Stage, atomic_write_json, atomic_write_text, build_directory
+from scope_lib.runs import (
+    RecordLog,
+    RunError,
+    Stage,
+    atomic_write_json,
+    atomic_write_text,
+    build_directory,
+    in_own_process,
+)
 
 #: A process that builds `final` with build_directory: the build appends its pid to `builds`, takes SLOW seconds,
 #: and the process prints the folder it got back.
@@ -134,6 +146,71 @@ def test_a_killed_build_leaves_nothing_the_next_one_keeps(tmp_path):
     assert [p.name.startswith(".model.build-") for p in cache.iterdir() if p.name != ".model.lock"] == [True]
     final = build_directory(cache / "model", lambda tmp: (tmp / "config.json").write_text("{}"))
     assert sorted(p.name for p in cache.iterdir()) == [".model.lock", "model"] and (final / "config.json").is_file()
+
+
+# -- work in a process of its own (runs.in_own_process: the pretrained model's warm start) ----------------------
+
+
+def _pid_and_log(level_name: str) -> int:
+    logging.getLogger("scope_lib.test_child").log(logging.getLevelName(level_name), "from the child %d", os.getpid())
+    return os.getpid()
+
+
+def _fails(message: str) -> None:
+    raise ValueError(message)
+
+
+def _dies(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+
+
+def _sleeps_after_writing_pid(path: str) -> None:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_work_in_its_own_process_returns_its_value_and_its_logs_reach_ours(caplog):
+    caplog.set_level(logging.INFO)
+    pid = in_own_process(_pid_and_log, "WARNING")
+    assert pid != os.getpid()
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name.endswith("test_child")] == [
+        ("scope_lib.test_child", "WARNING", f"from the child {pid}")]
+
+
+def test_work_in_its_own_process_raises_what_it_raised_with_its_traceback():
+    with pytest.raises(ValueError) as info:
+        in_own_process(_fails, "the corpus is empty")
+    assert str(info.value) == "the corpus is empty"
+    assert "in the process of _fails" in info.value.__notes__[0] and "raise ValueError" in info.value.__notes__[0]
+
+
+def test_a_process_killed_mid_work_is_a_run_error_that_names_its_exit_status():
+    with pytest.raises(RunError, match=r"_dies's process \(pid \d+\) ended with exit status -9 \(SIGKILL\)"):
+        in_own_process(_dies, int(signal.SIGKILL))
+
+
+def test_an_interrupted_caller_leaves_no_child_working(tmp_path):
+    """Ctrl-C or SIGTERM (`Stopped`) in the caller kills the child rather than waiting for it or leaving it."""
+    pid_file = tmp_path / "pid"
+
+    def interrupt(signum, frame):   # once the child is at work
+        if pid_file.exists() and pid_file.read_text():
+            raise KeyboardInterrupt
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            in_own_process(_sleeps_after_writing_pid, str(pid_file))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 60
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
 
 
 def test_a_folder_without_its_marker_is_not_overwritten(tmp_path):

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -247,6 +249,22 @@ def test_warm_start_is_deterministic_and_cached(wiki_sample, tmp_path, monkeypat
     # a normal HF model folder: the loader every engine uses takes it as it is
     model, tok = load_model_and_tokenizer(a, dtype="float32", device="cpu")
     assert model.config.model_type == "qwen3" and tok.padding_side == "left"
+
+
+def test_a_pretrained_models_warm_start_runs_in_a_process_of_its_own(wiki_sample, warm_tokenizer_dir, tmp_path,
+                                                                      monkeypatch):
+    """SmolLM2's LoRA SFT left its process holding about 13 GB beside the training that came next: a pretrained
+    model's warm start runs in a child (`runs.in_own_process`), which gives it back, and builds the very weights
+    the same SFT builds in the caller (the cache keys did not change, so neither may the weights)."""
+    own_process = count_calls(monkeypatch, warm_start, "in_own_process")
+    ws = WarmStartConfig(**{**SMALL_WS, "method": "lora", "lora_rank": 4})
+    built = warm_start.warm_pretrained_path(str(warm_tokenizer_dir), wiki_sample, ws, cache_dir=tmp_path / "cache")
+    assert own_process == [warm_start.warm_start]
+    here = tmp_path / "here"
+    shutil.copytree(warm_tokenizer_dir, here)
+    info = warm_start.warm_start(here, wiki_sample, ws, index_dir=tmp_path / "index", max_length=4096)
+    assert info["method"] == "lora" and json.loads((built / warm_start.WARM_INFO).read_text())["steps"] == info["steps"]
+    assert weights_hash(built) == weights_hash(here) != weights_hash(warm_tokenizer_dir)
 
 
 def test_name_loss_splits_which_name_from_a_name(warm_tokenizer_dir):

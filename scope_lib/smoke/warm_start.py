@@ -27,7 +27,7 @@ from scope_lib.config import JUDGE_ADAPTER_MODEL, Params, TinyModelConfig, WarmS
 from scope_lib.config import cache_dir as scope_cache_dir
 from scope_lib.models.tiny import TinyModelError, build_tiny_model, cache_key, cache_root, read_passages
 from scope_lib.retrieval.corpus import corpus_checksum, read_corpus, teacher_documents
-from scope_lib.runs import build_directory
+from scope_lib.runs import build_directory, in_own_process
 from scope_lib.smoke import eval_judge_teacher
 from scope_lib.smoke.sft import sft
 from scope_lib.smoke.teacher import (
@@ -170,7 +170,9 @@ def warm_model_path(corpus_path: str | os.PathLike, cfg: TinyModelConfig, ws: Wa
 def warm_pretrained_path(source: str, corpus_path: str | os.PathLike, ws: WarmStartConfig,
                          cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached warm-started copy of the pretrained model in folder `source` (`pretrained_cache_key`), built on
-    first use: the model's files copied, then the warm start (`warm_start`, usually `method: lora`)."""
+    first use: the model's files copied, then the warm start (`warm_start`, usually `method: lora`) in a process
+    of its own (`runs.in_own_process`), so the gigabytes its SFT held go back to the system before anything
+    trains. The tiny model's SFT is small and runs in the caller."""
     root = Path(cache_dir) if cache_dir is not None else scope_cache_dir("warm")
 
     def build(tmp: Path) -> None:
@@ -180,8 +182,8 @@ def warm_pretrained_path(source: str, corpus_path: str | os.PathLike, ws: WarmSt
         from transformers import AutoConfig
 
         max_length = getattr(AutoConfig.from_pretrained(str(tmp)), "max_position_embeddings", None)
-        warm_start(tmp, corpus_path, ws, index_dir=root / TEACHER_INDEX_DIR / _index_name(corpus_path, ws),
-                   max_length=max_length)
+        in_own_process(warm_start, tmp, corpus_path, ws,
+                       index_dir=root / TEACHER_INDEX_DIR / _index_name(corpus_path, ws), max_length=max_length)
 
     return build_directory(root / f"{Path(source).name[:48]}-warm-{pretrained_cache_key(source, corpus_path, ws)}",
                            build)
