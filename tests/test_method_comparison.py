@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -403,6 +404,28 @@ def test_the_warm_start_is_left_to_the_runs_own_processes(tmp_path):
         compare_methods(REPO / "params" / "compare-smoke.yaml", {"run.runs_dir": str(tmp_path)}, train=train,
                         prepare=lambda spec: calls.append(("prepare", spec.run.name)), write=False)
     assert calls == [("train", "compare-smoke-scope")]
+
+
+def test_a_stopped_runs_wall_time_is_counted_and_the_resumed_call_adds_to_it(tmp_path):
+    """A comparison stopped mid-run (SIGTERM: `Stopped`) kept no wall time for that run, so a resumed run's table
+    showed only its last call's seconds: every call's time is summed."""
+    from scope_lib.evaluation.method_comparison import WALL_NAME, compare_methods
+    from scope_lib.runs import Stopped
+
+    def stopped(params):
+        time.sleep(0.3)
+        raise Stopped("SIGTERM")
+
+    spec = REPO / "params" / "compare-smoke.yaml"
+    with pytest.raises(Stopped):
+        compare_methods(spec, {"run.runs_dir": str(tmp_path)}, train=stopped, prepare=lambda s: None, write=False)
+    wall_file = tmp_path / "compare-smoke" / WALL_NAME
+    first = json.loads(wall_file.read_text())["compare-smoke-scope"]
+    assert first >= 0.3
+    with pytest.raises(Stopped):
+        compare_methods(spec, {"run.runs_dir": str(tmp_path)}, train=stopped, prepare=lambda s: None, write=False)
+    walls = json.loads(wall_file.read_text())
+    assert list(walls) == ["compare-smoke-scope"] and walls["compare-smoke-scope"] >= first + 0.3
 
 
 def slice_parts(setup, tokenizer, passages, tmp_path, override, crash_at=None, **gold):

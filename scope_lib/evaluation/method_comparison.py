@@ -183,7 +183,8 @@ def run_finished(params: Params) -> bool:
 def train_runs(spec: Params, spec_path: str | Path, train: Callable[[Params], Any]) -> dict[str, dict[str, Params]]:
     """Train every method and its control (module docstring, 2) with `train(params)` (`scope compare-methods`:
     `scope train` in a process of its own, `cli.train_run`), skipping finished runs. Each run's wall time, summed
-    over the calls that trained it (a call stopped mid-run adds nothing), is kept in <spec run>/training_wall.json.
+    over the calls that trained it (a call stopped or failed mid-run included; one whose `compare-methods` was
+    killed outright adds nothing), is kept in <spec run>/training_wall.json.
     Returns method -> {"trained": params, "control": params}."""
     from scope_lib.runs import lock_run, log_to_run_file
 
@@ -199,10 +200,12 @@ def train_runs(spec: Params, spec_path: str | Path, train: Callable[[Params], An
             lock_run(params.run_dir)
             log_to_run_file(params.run_dir)
             started = time.perf_counter()
-            train(params)
-            walls = read_json(wall_file) if wall_file.is_file() else {}
-            walls[params.run.name] = round(walls.get(params.run.name, 0.0) + time.perf_counter() - started, 2)
-            atomic_write_json(wall_file, walls)
+            try:
+                train(params)
+            finally:  # a call stopped or failed mid-run spent its time too
+                walls = read_json(wall_file) if wall_file.is_file() else {}
+                walls[params.run.name] = round(walls.get(params.run.name, 0.0) + time.perf_counter() - started, 2)
+                atomic_write_json(wall_file, walls)
     log_to_run_file(spec.run_dir)
     return runs
 
