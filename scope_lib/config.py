@@ -280,6 +280,10 @@ class JudgeConfig(Section):
     min_rubrics: int = Field(3, ge=1, description="Fewest rubrics a valid reply holds (Table 9).")
     max_rubrics: int = Field(5, ge=1, description="Most rubrics a valid reply holds: 5, as App. G asks "
                              "(3-5); the authors' code accepts up to 10.")
+    distinct_rubrics: bool = Field(
+        False, description="Not in the paper: drop a rubric that repeats an earlier one of its set (letter case, "
+        "spacing and closing punctuation aside) before the set is counted against min_rubrics, so no criterion "
+        "counts twice in R_rubric (eq. 1). Off: the paper's, every rubric the writer wrote counts.")
     rubric_prompt: Literal["paper", "grounded"] = Field(
         "paper", description="Rubric writer prompt: 'paper' = Figure 12's four rules; 'grounded' adds a fifth "
         "rule asking for rubrics that name concrete facts of the context documents (for small Judges whose "
@@ -949,11 +953,13 @@ class Params(Section):
 
     def to_yaml(self) -> str:
         """The parameters as YAML; `compare` only where it names a comparison, `judge.calibration.answer_match_items`
-        only away from its default (a training run's params.yaml, and the Judge probes' key read from it, stay as they
-        were before the section and the key existed)."""
+        and `judge.distinct_rubrics` only away from their defaults (a training run's params.yaml, and the Judge
+        probes' key read from it, stay as they were before the section and the keys existed)."""
         data = self.model_dump(mode="json")
         if self.compare == CompareConfig():
             data.pop("compare")
+        if not self.judge.distinct_rubrics:
+            data["judge"].pop("distinct_rubrics")
         calibration = data["judge"]["calibration"]
         if calibration["answer_match_items"] == JudgeCalibrationConfig.model_fields["answer_match_items"].default:
             calibration.pop("answer_match_items")   # at its default: params.yaml and the probes' key as before it

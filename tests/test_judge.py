@@ -104,6 +104,32 @@ def test_thinking_and_budgets_follow_each_judge_model(tiny_tokenizer):
     assert all(forced.thinking.values()) and forced.gate_max_tokens == 1024   # the explicit setting wins
 
 
+def _repeats_a_rubric(role, context):
+    if role == "rubrics":
+        return ('<rubrics><rubric priority="critical">Names Evan Morris.</rubric><rubric priority="critical">'
+                'Names Evan Morris.</rubric><rubric>Names Halliburton.</rubric><rubric>Says he lobbied.</rubric>'
+                "</rubrics>")
+    return None
+
+
+def test_distinct_rubrics_reaches_the_judges_rubric_stage_and_stays_out_of_every_key_at_its_default(tiny_tokenizer):
+    from scope_lib.evaluation.held_out import held_out_fingerprint
+    from scope_lib.selfplay.loop import probes_key, science_yaml
+
+    paper = load_params(REPO / "params" / "smoke.yaml")
+    distinct = load_params(REPO / "params" / "smoke.yaml", {"judge.distinct_rubrics": True})
+    written = [Judge(ScriptedEngine(tiny_tokenizer, get_dialect("qwen2.5"), override=_repeats_a_rubric),
+                     p.judge).rubrics(["long_form_qa"], TASKS[:1], [DOCS[:1]])[0] for p in (paper, distinct)]
+    assert [r.text for r in written[0]] == ["Names Evan Morris.", "Names Evan Morris.", "Names Halliburton.",
+                                            "Says he lobbied."]
+    assert [r.text for r in written[1]] == ["Names Evan Morris.", "Names Halliburton.", "Says he lobbied."]
+    # at its default the option is in no key: runs, Judge probes and held-out sets from before it are reused
+    assert "distinct_rubrics" not in paper.to_yaml() + science_yaml(paper)
+    assert "distinct_rubrics" not in str(held_out_fingerprint(paper, "m", "c"))
+    assert probes_key(distinct) != probes_key(paper) and science_yaml(distinct) != science_yaml(paper)
+    assert held_out_fingerprint(distinct, "m", "c") != held_out_fingerprint(paper, "m", "c")
+
+
 def test_default_rubric_bounds_are_the_papers():
     params = load_params()
     assert (params.judge.min_rubrics, params.judge.max_rubrics) == (3, 5)

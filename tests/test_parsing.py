@@ -285,6 +285,24 @@ def test_rubric_text_whitespace_is_collapsed_and_empty_ones_dropped():
     assert parse_rubrics(text.replace("<rubric>Compares B.</rubric>", "")) is None
 
 
+def test_a_repeated_rubric_counts_once_only_with_distinct_rubrics():
+    """SmolLM2's rubric writer repeated a rubric within one set; `judge.distinct_rubrics` keeps the first copy (its
+    priority too), so no criterion counts twice; the paper's default keeps every rubric written."""
+    text = ('<rubrics><rubric priority="critical">Names the 1936 Olympics.</rubric>'
+            '<rubric priority="bonus">names the 1936   olympics</rubric><rubric>Explains the boycott.</rubric>'
+            '<rubric priority="important">Explains the boycott!</rubric><rubric>Dates the games.</rubric></rubrics>')
+    assert [r.text for r in parse_rubrics(text)] == ["Names the 1936 Olympics.", "names the 1936 olympics",
+                                                     "Explains the boycott.", "Explains the boycott!",
+                                                     "Dates the games."]
+    assert parse_rubrics(text, distinct=True) == [Rubric("Names the 1936 Olympics.", "critical"),
+                                                  Rubric("Explains the boycott.", DEFAULT_PRIORITY),
+                                                  Rubric("Dates the games.", DEFAULT_PRIORITY)]
+    # counted after the repeats are gone: two distinct rubrics are too few
+    assert parse_rubrics(text.replace("<rubric>Dates the games.</rubric>", ""), distinct=True) is None
+    # rubrics that differ by more than case, spacing and closing punctuation are different rubrics
+    assert len(parse_rubrics(_rubrics(4), distinct=True)) == 4
+
+
 def test_last_rubrics_block_outside_think_is_read():
     draft = _rubrics(3, "bonus")
     final = _rubrics(4, "critical")

@@ -3,12 +3,14 @@ the real Wikipedia sample, the Judge, and the rewards of eq. 4-7, for each diale
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from scripted_engine import ScriptedEngine, scripted_run_params
 
 from scope_lib.protocol.dialects import get_dialect
+from scope_lib.protocol.parsing import Rubric
 from scope_lib.retrieval.api import Hit
 from scope_lib.selfplay.judge import Judge
 from scope_lib.selfplay.rollout import (
@@ -231,6 +233,12 @@ def test_rubric_analysis_tables(params, retriever, passages, tiny_tokenizer):
     assert len(rubrics) == 3 * len(evals)
     # the scripted rubrics name the entities the Challenger searched: titles found in its evidence
     assert rubrics["entity"].mean() > 0.5 and rubrics["command verb"].all()
+    # the scripted writer pads a task with under 3 names with "Identifies the source document by name." repeats
+    assert rubrics["repeat"].tolist() == [r in e.rubrics[:k] for e in evals for k, r in enumerate(e.rubrics)]
+    assert 0 < rubrics["repeat"].mean() < 1
+    written = [Rubric("Names the 1936 Olympics."), Rubric("NAMES the 1936  olympics", "bonus"), Rubric("Dates it.")]
+    repeated = [replace(evals[0], rubrics=written)]
+    assert rubric_table(repeated, trajs, prompts)["repeat"].tolist() == [False, True, False]
     verdicts = verdict_table(evals)
     assert len(verdicts) == 3 * 2 * len(evals)
     assert set(verdicts["verdict"]) <= {0, 1} and 0 < verdicts["verdict"].mean() < 1

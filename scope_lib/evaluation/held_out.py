@@ -130,6 +130,8 @@ def file_sha256(path: Path) -> str:
 _RETRIEVAL_OPERATIONAL = {"corpus_url", "corpus_sha256", "fetch_max_passages", "index_dir", "memory_budget_gb",
                           "chroma_mode", "chroma_host", "chroma_port", "server_url", "timeout_s", "embed_batch_size",
                           "add_batch_size", "embedding_cache", "shard_passages", "embedder_device", "faiss_gpu"}
+#: The Judge's settings that decide no verdict of the set: how many answer-check probes run when a run opens.
+_JUDGE_OPERATIONAL: dict = {"calibration": {"answer_match_items"}}
 
 
 def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> dict[str, Any]:
@@ -153,7 +155,8 @@ def held_out_fingerprint(params: Params, model_id: str, corpus_sha256: str) -> d
         "solver": p.solver.model_dump(mode="json", include={"max_prompt_tokens", "max_searches", "max_turns",
                                                             "prompt", "max_new_tokens_per_turn",
                                                             "max_response_tokens", "temperature", "top_p"}),
-        "judge": p.judge.model_dump(mode="json", exclude={"calibration": {"answer_match_items"}}),  # SCOPE's stages
+        "judge": p.judge.model_dump(mode="json", exclude=_JUDGE_OPERATIONAL | (  # SCOPE's stages; an option added
+            {} if p.judge.distinct_rubrics else {"distinct_rubrics": True})),  # later counts away from its default
         "retrieval": p.retrieval.model_dump(mode="json", exclude=_RETRIEVAL_OPERATIONAL),
         "prompts": prompts.protocol_fingerprint(),
     }

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "PRIORITIES", "DEFAULT_PRIORITY", "Rubric", "extract_task", "extract_answer", "parse_rubrics",
+    "PRIORITIES", "DEFAULT_PRIORITY", "Rubric", "extract_task", "extract_answer", "parse_rubrics", "rubric_identity",
     "parse_score", "parse_correct_wrong", "strip_think", "count_think_blocks", "has_think", "starts_with_think",
     "ends_in_think",
 ]
@@ -190,12 +190,14 @@ def _attributes(raw: str) -> dict[str, str]:
 
 
 def parse_rubrics(text: Any, min_rubrics: int = 3, max_rubrics: int = 10, *,
-                  starts_in_think: bool = False) -> list[Rubric] | None:
+                  starts_in_think: bool = False, distinct: bool = False) -> list[Rubric] | None:
     """The rubrics 𝒢 in the LAST complete ``<rubrics>…</rubrics>`` block outside thinking (App. H, Fig. 12).
 
     Each ``<rubric priority="…">text</rubric>`` with non-empty text is one rubric (single or double quotes,
     other attributes and any whitespace allowed; whitespace inside the text is collapsed). A missing or
-    unknown priority becomes DEFAULT_PRIORITY. Returns None unless min_rubrics ≤ count ≤ max_rubrics.
+    unknown priority becomes DEFAULT_PRIORITY. With `distinct` (not in the paper), a rubric whose text repeats an
+    earlier one's (`rubric_identity`: letter case, spacing and closing punctuation aside) is dropped, the first
+    kept with its priority, before counting. Returns None unless min_rubrics ≤ count ≤ max_rubrics.
     """
     if not isinstance(text, str):
         return None
@@ -214,7 +216,18 @@ def parse_rubrics(text: Any, min_rubrics: int = 3, max_rubrics: int = 10, *,
             continue
         priority = _attributes(attrs).get("priority", "").strip().lower()
         rubrics.append(Rubric(body, priority if priority in PRIORITIES else DEFAULT_PRIORITY))
+    if distinct:
+        first = {}
+        for rubric in rubrics:
+            first.setdefault(rubric_identity(rubric.text), rubric)
+        rubrics = list(first.values())
     return rubrics if lo <= len(rubrics) <= hi else None
+
+
+def rubric_identity(text: str) -> str:
+    """What two rubrics share when one repeats the other: the text in lower case, spacing collapsed, without
+    closing punctuation."""
+    return " ".join(text.casefold().split()).rstrip(" .;:!?")
 
 
 def parse_score(text: Any, *, starts_in_think: bool = False) -> int | None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scope_lib.protocol.parsing import Rubric
+from scope_lib.protocol.parsing import Rubric, rubric_identity
 from scope_lib.runs import Stage, read_jsonl
 
 #: The command verbs the rubric writer is told to start with (App. H, Figure 12).
@@ -109,8 +109,9 @@ def rubric_overlap(a: Sequence[Rubric], b: Sequence[Rubric]) -> float:
 
 
 def rubric_table(evals, trajectories, prompts) -> Any:
-    """One row per rubric: task, type, priority, text, words, command-verb compliance and specificity
-    against the task's source document plus its retrieved evidence."""
+    """One row per rubric: task, type, priority, text, words, command-verb compliance, specificity against the
+    task's source document plus its retrieved evidence, and whether it repeats an earlier rubric of its set
+    (`parsing.rubric_identity`; `judge.distinct_rubrics` drops such repeats)."""
     import pandas as pd
 
     traj_by_id = {t.id: t for t in trajectories}
@@ -119,14 +120,17 @@ def rubric_table(evals, trajectories, prompts) -> Any:
     for e in evals:
         t = traj_by_id[e.challenger_id]
         context = prompt_by_id[t.meta["prompt_id"]].document + "\n" + "\n".join(t.evidence)
+        seen: set[str] = set()
         for k, r in enumerate(e.rubrics or []):
             s = rubric_specificity(r.text, context)
+            identity = rubric_identity(r.text)
             rows.append({"task": e.challenger_id, "task type": e.task_type, "k": k, "priority": r.priority,
                          "rubric": r.text, "words": len(r.text.split()),
                          "command verb": starts_with_command_verb(r.text), "entity": s.entity,
-                         "number": s.number, "date": s.date, "specific": s.specific})
+                         "number": s.number, "date": s.date, "specific": s.specific, "repeat": identity in seen})
+            seen.add(identity)
     columns = ["task", "task type", "k", "priority", "rubric", "words", "command verb", "entity", "number",
-               "date", "specific"]
+               "date", "specific", "repeat"]
     return pd.DataFrame(rows, columns=columns)
 
 

@@ -172,7 +172,8 @@ class Judge:
         sampling = self._sampling("rubrics", self.cfg.rubric_max_tokens, self.cfg.rubric_temperature, "</rubrics>")
 
         def parse(reply: str) -> list[Rubric] | None:
-            return parsing.parse_rubrics(reply, self.cfg.min_rubrics, self.cfg.max_rubrics)
+            return parsing.parse_rubrics(reply, self.cfg.min_rubrics, self.cfg.max_rubrics,
+                                         distinct=self.cfg.distinct_rubrics)
 
         return self._run("rubrics", texts, sampling, parse)
 

@@ -186,7 +186,7 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     and Unsloth load the same M0 and the same adapters: a run resumes with either), `judge.calibration` (the probes
     of the Judge's stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
     count: a finished run continues with more). Options added after runs existed are left out at their default
-    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `method:
+    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `judge.distinct_rubrics: false`, `method:
     scope`, `model.shared_policy: false`, `spice` and `ssp` at their defaults, `ssp.answer_check: rule` in an SSP run, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
     left the hash, for runs started then."""
     import yaml
@@ -204,6 +204,8 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
         science["challenger"].pop("no_rubrics_reward")
     if science["judge"]["gates_by"] == "judge":
         science["judge"].pop("gates_by")
+    if not science["judge"]["distinct_rubrics"]:
+        science["judge"].pop("distinct_rubrics")
     if science["method"] == "scope":
         science.pop("method")
     if not science["model"]["shared_policy"]:
