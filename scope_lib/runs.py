@@ -441,10 +441,11 @@ def _child_main(conn: Any, level: int, fn: Callable[..., Any], args: tuple, kwar
         result = ("result", fn(*args, **kwargs), None)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent, which raises it
         result = ("error", exc, traceback.format_exc())
-        try:
-            pickle.dumps(exc)
-        except Exception:  # noqa: BLE001 - an exception that cannot travel is sent as its text
-            result = ("error", RuntimeError(f"{type(exc).__name__}: {exc}"), result[2])
+    try:
+        pickle.loads(pickle.dumps(result))
+    except Exception as exc:  # noqa: BLE001 - what cannot travel (or be rebuilt there) is sent as text
+        what = result[1] if result[0] == "error" else exc
+        result = ("error", RuntimeError(f"{type(what).__name__}: {what}"), result[2] or traceback.format_exc())
     conn.send(result)
     conn.close()
 

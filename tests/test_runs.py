@@ -160,6 +160,15 @@ def _fails(message: str) -> None:
     raise ValueError(message)
 
 
+class _TwoArguments(Exception):
+    def __init__(self, file: str, line: int) -> None:   # pickles, but cannot be rebuilt from its args
+        super().__init__(f"{file}:{line} is damaged")
+
+
+def _fails_with_two_arguments() -> None:
+    raise _TwoArguments("a.jsonl", 3)
+
+
 def _dies(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
@@ -182,6 +191,12 @@ def test_work_in_its_own_process_raises_what_it_raised_with_its_traceback():
         in_own_process(_fails, "the corpus is empty")
     assert str(info.value) == "the corpus is empty"
     assert "in the process of _fails" in info.value.__notes__[0] and "raise ValueError" in info.value.__notes__[0]
+
+
+def test_an_exception_that_cannot_be_rebuilt_here_arrives_as_its_text():
+    with pytest.raises(RuntimeError) as info:
+        in_own_process(_fails_with_two_arguments)
+    assert str(info.value) == "_TwoArguments: a.jsonl:3 is damaged" and "raise _TwoArguments" in info.value.__notes__[0]
 
 
 def test_a_process_killed_mid_work_is_a_run_error_that_names_its_exit_status():
