@@ -294,3 +294,17 @@ def test_an_item_with_nothing_parseable_is_dropped_and_counted():
     assert summary["scope_paper"]["value"] == 1.0 and summary["scope_paper"]["ci95"] is None
     assert [r["scores"]["official"]["value"] for r in records] == [1.0, 0.0]   # EM needs no judge
     assert summary["official"]["judge"] is None and summary["official"]["n_units"] == 0
+
+
+def test_exact_match_alone_needs_no_judge_and_no_judges_adapter():
+    """`compare-methods` scores its benchmarks by exact match and F1 only (`scorers=["official"]`, no judge); with
+    SmolLM2's `evaluation.judge_adapter` on, asking for the judge's settings anyway stopped the comparison at its
+    last step for an adapter it never uses."""
+    params = load_params(None, {"evaluation.judge_backend": "local", "evaluation.judge_adapter.enabled": True,
+                                "evaluation.bootstrap_samples": 0})
+    answered = [Answered(Item("q0", "nq", [{"role": "user", "content": "Capital of France?"}],
+                              {"golden_answers": ["Paris"]}), 0, "Paris", "answer", "t0")]
+    records, summary = score_items(params, "nq", answered, None, scorers=["official"])
+    assert records[0]["scores"]["official"]["value"] == 1.0 and summary["official"]["judge"] is None
+    with pytest.raises(ValueError, match="judge_adapter is on but was not built"):   # a judged scorer still needs it
+        score_items(params, "nq", answered, None, scorers=["scope_paper"])

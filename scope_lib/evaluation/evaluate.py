@@ -417,7 +417,8 @@ def score_items(params: Params, benchmark: str, answered: list[Answered], judge:
     e = params.evaluation
     spec = BENCHMARKS[benchmark]
     names = [n for n in (scorers or e.scorers) if n in spec.scorers]
-    settings = judge_settings(params, benchmark)
+    # only a judged scorer needs the judge's settings (and, with `evaluation.judge_adapter`, the adapter built)
+    settings = judge_settings(params, benchmark) if any(spec.scorers[n].judged for n in names) else None
     units: dict[tuple[int, str], list[S.Unit]] = {}
     for i, a in enumerate(answered):
         for n in names:
