@@ -186,9 +186,10 @@ def science_yaml(params: Params, *, counted_iterations: int | None = None) -> st
     and Unsloth load the same M0 and the same adapters: a run resumes with either), `judge.calibration` (the probes
     of the Judge's stages when the run opens: they change no verdict) and `selfplay.iterations` (iteration t never reads the
     count: a finished run continues with more). Options added after runs existed are left out at their default
-    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`, `judge.distinct_rubrics: false`, `method:
-    scope`, `model.shared_policy: false`, `spice` and `ssp` at their defaults, `ssp.answer_check: rule` in an SSP run, no held-out documents), so those runs still resume. `counted_iterations`: the form before the count
-    left the hash, for runs started then."""
+    (`grpo.reward_control: none`, `challenger.no_rubrics_reward: format`, `judge.gates_by: judge`,
+    `judge.distinct_rubrics: false`, `method: scope`, `model.shared_policy: false`, `spice` and `ssp` at their
+    defaults, `ssp.answer_check: rule` in an SSP run, no held-out documents), so those runs still resume.
+    `counted_iterations`: the form before the count left the hash, for runs started then."""
     import yaml
 
     science = {k: v for k, v in params.model_dump(mode="json").items()
