@@ -380,10 +380,11 @@ def in_own_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     process (Linux), and is killed when this one is interrupted or stopped. `fn` and the arguments must pickle."""
     import multiprocessing
 
+    name = getattr(fn, "__name__", repr(fn))
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(theirs, logging.getLogger().getEffectiveLevel(), fn, args, kwargs),
-                        name=f"scope-{getattr(fn, '__name__', 'work')}")
+                        name=f"scope-{name}")
     child.start()
     theirs.close()
     try:
@@ -392,7 +393,7 @@ def in_own_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 kind, payload, note = ours.recv()
             except EOFError:
                 child.join()
-                raise RunError(f"{getattr(fn, '__name__', fn)}'s process (pid {child.pid}) ended with exit status "
+                raise RunError(f"{name}'s process (pid {child.pid}) ended with exit status "
                                f"{_exit_status(child.exitcode)} before it finished: killed for memory, most "
                                "likely (`dmesg` says); nothing it built was kept, so the same command redoes it"
                                ) from None
@@ -400,7 +401,7 @@ def in_own_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 logging.getLogger(payload.name).handle(payload)
                 continue
             if kind == "error":
-                payload.add_note(f"in the process of {getattr(fn, '__name__', fn)} (pid {child.pid}):\n{note}")
+                payload.add_note(f"in the process of {name} (pid {child.pid}):\n{note}")
                 raise payload
             return payload
     except BaseException:
